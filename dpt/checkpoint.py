@@ -1,0 +1,54 @@
+"""Checkpoints that are written atomically and fail loudly when broken."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message says which file and why."""
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """Save to a temporary file in the same folder, then rename over ``path``.
+
+    A crash mid-save leaves the previous file intact: the rename is atomic on POSIX.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise CheckpointError(f"cannot save checkpoint {path}: folder {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """``torch.load`` with a clear error for a missing, truncated or foreign file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds on bad files
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or not a torch checkpoint "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from exc
+
+
+def strip_module_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Drop the ``module.`` that DataParallel/DDP wrappers add to every key."""
+    prefix = "module."
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}

@@ -1,0 +1,52 @@
+"""Device and backend choice. The same code runs on CUDA, Apple's MPS and the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cuda", "mps", "cpu")
+
+
+class DeviceError(RuntimeError):
+    """A device was asked for that this machine does not have."""
+
+
+def mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def pick_device(requested: str | None = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu. An explicit device must exist."""
+    requested = (requested or "auto").lower()
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if mps_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    kind = requested.split(":")[0]
+    if kind not in DEVICE_CHOICES:
+        raise DeviceError(f"unknown device {requested!r}; choose one of: {', '.join(DEVICE_CHOICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda was asked for, but this machine has no CUDA GPU "
+                          "(torch.cuda.is_available() is False); use --device cpu or auto")
+    if kind == "cuda" and ":" in requested and int(requested.split(":")[1]) >= torch.cuda.device_count():
+        raise DeviceError(f"{requested} does not exist: this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not mps_available():
+        raise DeviceError("--device mps was asked for, but MPS is not available here")
+    return torch.device(requested)
+
+
+def backend_for(device: torch.device | str) -> str:
+    """NCCL for CUDA, gloo for everything else (NCCL is not built on CPU-only or Mac wheels)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels, so a clock read afterwards measures finished work."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

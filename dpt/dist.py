@@ -1,0 +1,120 @@
+"""Process-group plumbing every multi-process lesson shares.
+
+Lesson 03 writes its own ``ddp_setup`` to learn what goes in it; later lessons call
+:func:`setup` here. Nothing in this module hard-codes a port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dpt.device import backend_for, pick_device
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("DPT_DIST_TIMEOUT", "120"))
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the OS for a port nobody is listening on (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cpu_budget() -> int:
+    """Cores this process may use (respects taskset/cgroups where Python can see them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
+    """Split the cores among the ranks on this machine, at least one thread each."""
+    cores = cores or cpu_budget()
+    return max(1, cores // max(1, local_world_size))
+
+
+def set_threads(n: int) -> int:
+    """Give this process ``n`` intra-op threads, so N ranks do not oversubscribe the CPU.
+
+    Also exports OMP_NUM_THREADS/MKL_NUM_THREADS for any child this process starts.
+    """
+    n = max(1, int(n))
+    torch.set_num_threads(n)
+    with contextlib.suppress(RuntimeError):  # may only be set before any parallel work
+        torch.set_num_interop_threads(n)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    return n
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"{name} is not set; launch this script with torchrun")
+        return default
+    return int(value)
+
+
+def setup(rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+          device: str | torch.device | None = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+          threads: int | None = None) -> torch.device:
+    """Join the process group and return this rank's device.
+
+    Missing arguments come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE). MASTER_ADDR defaults to localhost; without MASTER_PORT, a single
+    process group on one machine must already have one chosen by its launcher.
+    """
+    rank = env_int("RANK") if rank is None else rank
+    world_size = env_int("WORLD_SIZE") if world_size is None else world_size
+    local_rank = env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
+    local_world = env_int("LOCAL_WORLD_SIZE", world_size)
+    dev = pick_device(device)
+    if dev.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "
+                               f"has {torch.cuda.device_count()}; start fewer processes per node")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    set_threads(threads or threads_per_rank(local_world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError("MASTER_PORT is not set: the launcher must choose one port for all "
+                           "ranks (dpt.dist.find_free_port() gives a free one)")
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(dev), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    return dev
+
+
+def cleanup() -> None:
+    """Leave the process group if we are in one (safe to call twice, or after a failure)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(**kwargs):
+    """``with process_group(...) as device:`` sets up, and tears down even on an exception."""
+    device = setup(**kwargs)
+    try:
+        yield device
+    finally:
+        cleanup()
+
+
+def is_main_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def rank0_print(*args, **kwargs) -> None:
+    if is_main_process():
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,222 @@
+"""Run a function on N ranks, fail fast, never hang.
+
+:func:`run_distributed` is the one way the course's tests (and some notebooks) start several
+processes. It promises:
+
+- a free port per call, never a fixed one, so parallel tests (``pytest -n 2``) do not collide;
+- gloo on CPU, or NCCL with one GPU per rank when the machine has enough GPUs;
+- one intra-op thread per rank by default, so ranks do not fight over the cores;
+- when a rank raises or dies, the others are killed at once and :class:`RankFailure` carries
+  that rank's traceback and the tail of its output;
+- a hard timeout: a hung rank is killed, and its Python stack is in the error.
+
+``fn`` must be importable (defined at module level in a file), because the ranks are fresh
+processes started by a fork server that has already imported torch.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dpt.dist import find_free_port
+
+_CTX = None
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or hung. The message holds its traceback or stack."""
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        method = os.environ.get("DPT_MP_START", "forkserver")
+        _CTX = mp.get_context(method)
+        if method == "forkserver":
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "dpt.dist"])
+    return _CTX
+
+
+def default_backend(world_size: int) -> str:
+    forced = os.environ.get("DPT_TEST_BACKEND")
+    if forced:
+        return forced
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
+            conn, backend: str | None, threads: int, log_path: str, stack_path: str,
+            hang_after: float, env: dict[str, str]) -> None:
+    # Everything this rank prints goes to its own log file, which the parent reads back.
+    log = open(log_path, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    stack_file = open(stack_path, "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(hang_after, exit=True, file=stack_file)
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import torch.distributed as dist
+
+    from dpt.dist import set_threads
+
+    set_threads(threads)
+    status, payload = "ok", None
+    try:
+        if backend is not None:
+            device_id = None
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+                device_id = torch.device("cuda", rank)
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=max(hang_after, 5)),
+                                    device_id=device_id)
+        result = fn(rank, world_size, *args, **kwargs)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        payload = buf.getvalue()
+    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+        status, payload = "error", traceback.format_exc()
+    try:
+        conn.send((status, payload))
+    finally:
+        conn.close()
+    faulthandler.cancel_dump_traceback_later()
+    if status == "ok" and backend is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    log.flush()
+    os._exit(0 if status == "ok" else 1)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip()
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(timeout=2)
+
+
+def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
+                    kwargs: dict | None = None, timeout: float = 90.0,
+                    backend: str | None = "auto", threads: int = 1,
+                    env: dict[str, str] | None = None, echo: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
+
+    Returns the ranks' return values, in rank order. ``backend=None`` leaves the process
+    group to ``fn`` (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are set for it); ``"auto"``
+    picks NCCL when there is a GPU per rank, gloo otherwise.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    if backend == "auto":
+        backend = default_backend(world_size)
+    ctx = _context()
+    port = find_free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="dpt-ranks-"))
+    hang_after = max(1.0, timeout - 1.5)  # ranks dump their stacks just before we give up
+    procs, conns, logs, stacks = [], [], [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            log, stack = tmp / f"rank{rank}.log", tmp / f"rank{rank}.stack"
+            p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True, args=(
+                rank, world_size, port, fn, args, kwargs or {}, child_end, backend, threads,
+                str(log), str(stack), hang_after, dict(env or {})))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+            logs.append(log)
+            stacks.append(stack)
+
+        def _died(rank: int) -> RankFailure:
+            """A rank ended without a result: it crashed, or hung and dumped its stack."""
+            procs[rank].join(timeout=2)
+            _kill(procs)
+            stack = _tail(stacks[rank], 60)
+            why = ("hung and was stopped; its stack:\n" + stack) if stack else (
+                f"died with exit code {procs[rank].exitcode} before reporting")
+            return RankFailure(f"rank {rank} of {world_size} {why}\n"
+                               f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}")
+
+        results: dict[int, Any] = {}
+        pending = {c: r for r, c in enumerate(conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = wait(list(pending) + list(sentinels), timeout=remaining)
+            for obj in ready:
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        status, payload = obj.recv()
+                    except EOFError:
+                        status, payload = "died", None
+                    if status == "ok":
+                        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                        continue
+                    if status == "error":
+                        _kill(procs)
+                        raise RankFailure(
+                            f"rank {rank} of {world_size} failed:\n{payload}\n"
+                            f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}")
+                    raise _died(rank)
+                elif obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    if rank in results:
+                        continue
+                    conn = conns[rank]
+                    if conn in pending and conn.poll(1.0):
+                        continue  # it reported just before exiting; read it next round
+                    raise _died(rank)
+        if len(results) < world_size:
+            _kill(procs)
+            missing = [r for r in range(world_size) if r not in results]
+            stacks_text = "\n".join(f"--- rank {r} stack ---\n{_tail(stacks[r], 60)}"
+                                    for r in missing)
+            raise RankFailure(f"timed out after {timeout:.0f}s waiting for rank(s) {missing}\n"
+                              f"{stacks_text}")
+        if echo:
+            for rank, log in enumerate(logs):
+                text = _tail(log, 200)
+                if text:
+                    print(f"--- rank {rank} ---\n{text}")
+        return [results[r] for r in range(world_size)]
+    finally:
+        _kill(procs)
+        for c in conns:
+            c.close()
+        for f in tmp.iterdir():
+            f.unlink(missing_ok=True)
+        tmp.rmdir()

@@ -1,0 +1,131 @@
+# %% [markdown]
+# # Lesson 01: training on one device
+#
+# Before we spread training over many devices we need a loop worth spreading. This lesson
+# builds it in `single_device.py`, and every later lesson starts from it:
+#
+# | task | function | what it does |
+# |---|---|---|
+# | 01.1 | `train_step` | move a batch to the device, forward, loss, backward, step |
+# | 01.2 | `evaluate` | count correct answers over *every* test sample |
+# | 01.3 | `save_checkpoint` / `load_checkpoint` | model, optimizer and epoch, written atomically |
+#
+# Run `make grade` to see which tasks pass. This notebook calls your code from
+# `exercises/01_single_device/` (the tests point it at `solutions/`).
+
+# %%
+from dpt.notebook import use_lesson
+
+use_lesson("01_single_device")
+
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import single_device as sd
+from dpt.data import make_loader, prepare
+from dpt.device import pick_device
+from dpt.models import ConvNet, count_parameters
+
+# %% [markdown]
+# ## One device, whichever it is
+#
+# Nothing in `single_device.py` says `cuda`. `pick_device("auto")` returns CUDA when there is a
+# GPU, then Apple's MPS, then the CPU, and every tensor follows that `device`. Asking for a
+# device the machine lacks (`--device cuda` on a laptop) is an error with one clear line,
+# not a crash deep inside torch.
+
+# %%
+device = pick_device("auto")
+print("device:", device, "| CPU threads:", torch.get_num_threads())
+prepare("fashion-mnist")  # files already present, else Debian's package, else a download
+
+# %% [markdown]
+# ## Two ways to feed the model
+#
+# The seeds use torchvision's dataset with a `DataLoader`: every sample is a PIL image turned
+# into a tensor and normalized, one at a time. Fashion-MNIST is 47 MB as bytes, so the course
+# also keeps a *fast path*: the whole split as one normalized tensor, batched by index. Same
+# numbers, far less Python per sample. Let us time one pass of 100 batches of each.
+
+# %%
+def time_batches(loader, n=100):
+    start = time.perf_counter()
+    for i, _ in enumerate(loader):
+        if i + 1 == n:
+            break
+    return time.perf_counter() - start
+
+
+classic = make_loader("fashion-mnist", train=True, batch_size=64, fast=False, seed=0)
+fast = make_loader("fashion-mnist", train=True, batch_size=64, fast=True, seed=0)
+t_classic, t_fast = time_batches(classic), time_batches(fast)
+print(f"100 batches: DataLoader {t_classic:.2f}s, tensors {t_fast:.3f}s "
+      f"({t_classic / t_fast:.0f}x faster)")
+
+# %% [markdown]
+# ## Train
+#
+# The ConvNet is seed 003's: two blocks of convolution, batch norm, ReLU and max-pooling, then
+# a linear layer. The `Trainer` is the shape of seed 004's. We train on 400 batches here to stay
+# quick; the full epoch (`python single_device.py --epochs 1`) takes under a minute on two cores.
+
+# %%
+torch.manual_seed(0)
+model = ConvNet()
+print(f"ConvNet: {count_parameters(model):,} parameters")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+trainer = sd.Trainer(model, fast, optimizer, device)
+start = time.perf_counter()
+trainer.train(max_epochs=1, limit_batches=400)
+print(f"400 steps in {time.perf_counter() - start:.1f}s")
+
+# %%
+window = 20
+smooth = torch.tensor(trainer.history).unfold(0, window, 1).mean(1)
+plt.figure(figsize=(6, 3))
+plt.plot(trainer.history, alpha=0.3, label="loss per step")
+plt.plot(range(window - 1, len(trainer.history)), smooth, label=f"mean of {window}")
+plt.xlabel("step")
+plt.ylabel("cross-entropy")
+plt.legend()
+plt.title("ConvNet on Fashion-MNIST")
+plt.show()
+
+# %% [markdown]
+# ## Evaluate: count, then divide
+#
+# `evaluate` returns `(correct, total)` rather than a ratio. Averaging per-batch accuracies is
+# wrong whenever the last batch is short, and in lesson 03 each rank will hold counts for its
+# own shard of the test set: counts add across ranks, ratios do not.
+
+# %%
+test = make_loader("fashion-mnist", train=False, batch_size=1000)
+correct, total = sd.evaluate(model, test, device)
+print(f"test accuracy after 400 steps: {correct / total:.4f} ({correct}/{total})")
+
+# %% [markdown]
+# ## Checkpoint, and load into a fresh model
+#
+# A checkpoint holds the model, the optimizer (momentum is state too) and the epoch, so that
+# training can resume where it stopped. It is written to a temporary file and renamed, so a
+# crash mid-save leaves the previous checkpoint intact.
+
+# %%
+import tempfile
+from pathlib import Path
+
+with tempfile.TemporaryDirectory() as tmp:
+    path = sd.save_checkpoint(Path(tmp) / "convnet.pt", model, optimizer, epoch=1)
+    fresh = ConvNet()
+    epoch = sd.load_checkpoint(path, fresh)
+    print(f"reloaded epoch {epoch}; accuracy {sd.evaluate(fresh, test, device)[0] / total:.4f}")
+
+# %% [markdown]
+# ## What comes next
+#
+# One step of this loop is: forward, backward, update. Data parallelism runs that step on N
+# devices, each on its own slice of the batch, and makes sure the N copies of the model stay
+# the same. Lesson 02 does it inside one process with `nn.DataParallel`; lesson 03 with one
+# process per device.

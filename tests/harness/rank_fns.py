@@ -1,0 +1,38 @@
+"""Functions the harness tests run on several ranks (importable, so they can be pickled)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_rank(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank, "sum": t.item(), "threads": torch.get_num_threads(),
+            "port": os.environ["MASTER_PORT"]}
+
+
+def raise_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank 1 broke on purpose")
+    time.sleep(60)  # rank 0 would wait forever; the helper must not wait for it
+    return rank
+
+
+def exit_on_rank_0(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+def hang_on_rank_0(rank, world_size):
+    if rank == 0:
+        time.sleep(600)
+    return rank
+
+
+def print_and_return_tensor(rank, world_size):
+    print(f"hello from rank {rank}")
+    return torch.full((2,), float(rank))

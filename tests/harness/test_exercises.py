@@ -1,0 +1,91 @@
+"""The generator of exercises/ and notebooks/, and the drift between them and solutions/."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.lessons import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import make_exercises as gen  # noqa: E402
+
+SOLUTION = '''def f(x):
+    y = 1
+    # BEGIN SOLUTION 09.1: double "x"
+    return 2 * x
+    # END SOLUTION
+'''
+
+
+def test_a_block_becomes_a_raise_at_its_indentation():
+    text, tasks = gen.strip_solutions(SOLUTION)
+    assert tasks == ["09.1"]
+    assert '    raise NotImplementedError("Task 09.1: double \\"x\\"")\n' in text
+    assert "2 * x" not in text and "y = 1" in text
+    namespace = {}
+    exec(text, namespace)
+    with pytest.raises(NotImplementedError, match='Task 09.1: double "x"'):
+        namespace["f"](1)
+
+
+@pytest.mark.parametrize("bad", [
+    "# BEGIN SOLUTION 09.1: a\nx = 1\n",                  # never closed
+    "x = 1\n# END SOLUTION\n",                             # END without BEGIN
+    "# BEGIN SOLUTION 09.1: a\n# BEGIN SOLUTION 09.2: b\n# END SOLUTION\n",
+    "# BEGIN SOLUTION: no task id\n# END SOLUTION\n",      # malformed
+])
+def test_broken_markers_are_refused(bad):
+    with pytest.raises(gen.MarkerError):
+        gen.strip_solutions(bad)
+
+
+def test_committed_exercises_and_notebooks_are_up_to_date():
+    stale = gen.stale(REPO)
+    assert not stale, ("exercises/ or notebooks/ are stale; run `make exercises` and commit:\n"
+                       + "\n".join(stale))
+
+
+def test_the_trees_are_parallel_and_module_names_unique():
+    sol, ex = REPO / "solutions", REPO / "exercises"
+    lessons = sorted(p.name for p in sol.iterdir() if p.is_dir())
+    assert lessons and lessons == sorted(p.name for p in ex.iterdir() if p.is_dir())
+    seen = {}
+    for lesson in lessons:
+        assert re.fullmatch(r"\d\d_[a-z0-9_]+", lesson), lesson
+        for py in (sol / lesson).glob("*.py"):
+            if py.name == gen.NOTEBOOK_SOURCE:
+                continue
+            assert py.stem not in seen, f"{py.stem}.py is in {seen.get(py.stem)} and {lesson}"
+            seen[py.stem] = lesson
+
+
+def test_every_task_has_tests_and_every_test_task_exists():
+    tasks = set()
+    for py in (REPO / "solutions").rglob("*.py"):
+        tasks |= set(gen.strip_solutions(py.read_text(), str(py))[1])
+    marked = set()
+    for py in (REPO / "tests").rglob("test_*.py"):
+        marked |= set(re.findall(r"mark\.task\(\"(\d\d\.\d+[a-z]?)\"\)", py.read_text()))
+    assert tasks - marked == set(), f"tasks with no test: {sorted(tasks - marked)}"
+    assert marked - tasks == set(), f"tests for tasks that do not exist: {sorted(marked - tasks)}"
+
+
+@pytest.mark.slow
+def test_stubs_fail_each_with_their_own_task_message(tmp_path):
+    """`make grade` on the untouched exercises: every task fails, naming itself."""
+    out = tmp_path / "grade.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--target", str(REPO / "exercises"), "--grade",
+         "--grade-json", str(out), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-m", "not slow", "--timeout", "120", str(REPO / "tests")],
+        capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    scores = json.loads(out.read_text())["tasks"]
+    assert scores, "no task was graded"
+    for task, s in scores.items():
+        assert s["passed"] < s["total"], f"task {task} passes on its stub"
+        assert f"Task {task}" in s["first_error"], f"task {task} failed with: {s['first_error']}"

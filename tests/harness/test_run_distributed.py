@@ -1,0 +1,67 @@
+"""The multi-process helper: results, loud failures, hard timeouts, no port collisions."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dpt.testing import RankFailure, run_distributed
+from tests.harness import rank_fns
+
+
+def test_runs_a_collective_on_two_ranks_with_one_thread_each():
+    results = run_distributed(rank_fns.all_reduce_rank, world_size=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["sum"] == 3.0 for r in results)
+    assert all(r["threads"] == 1 for r in results)
+
+
+def test_returns_tensors_and_echoes_rank_output(capsys):
+    results = run_distributed(rank_fns.print_and_return_tensor, world_size=2)
+    torch.testing.assert_close(results[1], torch.tensor([1.0, 1.0]))
+    out = capsys.readouterr().out
+    assert "hello from rank 0" in out and "hello from rank 1" in out
+
+
+def test_a_rank_that_raises_fails_fast_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_distributed(rank_fns.raise_on_rank_1, world_size=2, timeout=60)
+    assert time.monotonic() - start < 20, "the failure took too long to surface"
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message
+    assert "ValueError: rank 1 broke on purpose" in message
+    assert "raise_on_rank_1" in message  # the traceback, not just the message
+
+
+def test_a_rank_that_dies_without_a_traceback_is_reported():
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 0 of 2 died with exit code 3"):
+        run_distributed(rank_fns.exit_on_rank_0, world_size=2, timeout=60)
+    assert time.monotonic() - start < 20
+
+
+def test_a_rank_that_hangs_is_killed_at_the_timeout_with_its_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_distributed(rank_fns.hang_on_rank_0, world_size=2, timeout=8)
+    assert time.monotonic() - start < 20
+    message = str(info.value)
+    assert "rank 0" in message and "hang_on_rank_0" in message  # where it hung
+
+
+def test_two_runs_at_once_use_different_ports():
+    results = {}
+
+    def go(key):
+        results[key] = run_distributed(rank_fns.all_reduce_rank, world_size=2, echo=False)
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert set(results) == {"a", "b"}
+    assert results["a"][0]["port"] != results["b"][0]["port"]
+    assert all(r["sum"] == 3.0 for run in results.values() for r in run)

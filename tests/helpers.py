@@ -1,0 +1,40 @@
+"""Small helpers the lesson tests share."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpt.data import is_present
+from tests.lessons import REPO
+
+requires_data = pytest.mark.skipif(
+    not is_present("fashion-mnist"),
+    reason="Fashion-MNIST is not under data/: run `make data` first")
+
+
+def run_script(path: Path | str, *args: str, timeout: float = 120, env: dict | None = None,
+               cwd: Path | str | None = None) -> subprocess.CompletedProcess:
+    """Run a lesson script with this interpreter; the test fails (not hangs) on timeout."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                    TQDM_DISABLE="1", **(env or {}))
+    try:
+        return subprocess.run([sys.executable, str(path), *args], capture_output=True,
+                              text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{Path(path).name} {' '.join(args)} did not finish in {timeout}s\n"
+                    f"stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """Assert the process failed with a clear one-line error and no traceback; return it."""
+    assert proc.returncode != 0, f"expected a failure, got exit 0:\n{proc.stdout}"
+    assert "Traceback" not in proc.stderr, f"a traceback instead of a clear error:\n{proc.stderr}"
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error")
+             or ": error:" in ln]
+    assert lines, f"no 'error:' line on stderr:\n{proc.stderr}"
+    return lines[-1]

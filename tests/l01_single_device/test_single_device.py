@@ -1,0 +1,227 @@
+"""Lesson 01: the training step, evaluation, checkpoints, the Trainer and the CLI."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpt.checkpoint import CheckpointError
+from dpt.data import TensorLoader, ToyRegression
+from dpt.models import ConvNet, LinearRegression
+from tests.helpers import one_line_error, requires_data, run_script
+from tests.lessons import load, script
+
+LESSON = "01_single_device"
+
+
+@pytest.fixture
+def sd():
+    return load(LESSON, "single_device")
+
+
+def _batch(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+@pytest.mark.task("01.1")
+def test_train_step_matches_a_reference_sgd_step(sd):
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for seed in range(3):  # several steps: stale gradients would accumulate
+        batch = _batch(seed=seed)
+        loss = sd.train_step(model, batch, opt, torch.device("cpu"))
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_opt.step()
+        assert isinstance(loss, float)
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.task("01.1")
+def test_train_step_uses_the_loss_function_it_is_given(sd):
+    model = LinearRegression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = ToyRegression(64)
+    loss = sd.train_step(model, (data.x, data.y), opt, torch.device("cpu"), F.mse_loss)
+    assert loss == pytest.approx(F.mse_loss(model(data.x), data.y).item(), rel=0.5)
+    assert loss > 0
+
+
+class _Fixed(nn.Module):
+    """Predicts class 0 for the first `k` samples it is ever shown, then class 1."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = answers
+        self.seen = 0
+        self.bn = nn.BatchNorm1d(1)
+
+    def forward(self, x):
+        out = torch.zeros(len(x), 10)
+        out[torch.arange(len(x)), self.answers[self.seen:self.seen + len(x)]] = 1.0
+        self.seen += len(x)
+        self.mode_seen = self.training
+        return out
+
+
+@pytest.mark.task("01.2")
+def test_evaluate_counts_every_sample_including_a_short_last_batch(sd):
+    # 10 samples in batches of 4: 4 + 4 + 2. Averaging per-batch accuracies would give a
+    # different answer from counting, which is what this data is built to expose.
+    targets = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    answers = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 2, 2])  # 4 + 0 + 2 correct
+    x = torch.zeros(10, 1)
+    model = _Fixed(answers)
+    correct, total = sd.evaluate(model, TensorLoader(x, targets, batch_size=4),
+                                 torch.device("cpu"))
+    assert (correct, total) == (6, 10)
+    assert isinstance(correct, int) and isinstance(total, int)
+
+
+@pytest.mark.task("01.2")
+def test_evaluate_uses_eval_mode_and_restores_training_mode(sd):
+    model = ConvNet()
+    model.train()
+    before = copy.deepcopy(model.state_dict())
+    x, y = _batch(16)
+    sd.evaluate(model, TensorLoader(x, y, batch_size=8), torch.device("cpu"))
+    assert model.training, "evaluate must put the model back in training mode"
+    for k, v in model.state_dict().items():  # eval mode: batch-norm statistics untouched
+        torch.testing.assert_close(v, before[k], msg=f"{k} changed during evaluation")
+
+
+@pytest.mark.task("01.3")
+def test_checkpoint_round_trip_into_a_fresh_model(sd, tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sd.train_step(model, _batch(), opt, torch.device("cpu"))
+    path = sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=3)
+    assert Path(path).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"], "temporary files left behind"
+    fresh = ConvNet()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    assert sd.load_checkpoint(tmp_path / "ck.pt", fresh, fresh_opt) == 3
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(v, v2)
+    assert fresh_opt.state_dict()["state"], "optimizer state (momentum) was not restored"
+
+
+@pytest.mark.task("01.3")
+def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path):
+    model = nn.DataParallel(ConvNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=1)
+    keys = torch.load(tmp_path / "ck.pt", weights_only=True)["model"].keys()
+    assert not any(k.startswith("module.") for k in keys)
+    sd.load_checkpoint(tmp_path / "ck.pt", ConvNet())  # loads into a plain model
+
+
+@pytest.mark.task("01.3")
+def test_checkpoint_errors_are_clear(sd, tmp_path):
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        sd.save_checkpoint(tmp_path / "nope" / "ck.pt", model, opt, 0)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        sd.load_checkpoint(bad, model)
+
+
+@pytest.mark.task("01.3")
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(sd, tmp_path, monkeypatch):
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=1)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=2)
+    monkeypatch.undo()
+    assert sd.load_checkpoint(tmp_path / "ck.pt", ConvNet()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+@pytest.mark.task("01.1")
+def test_trainer_fits_seed_004_toy_regression_and_checkpoints(sd, tmp_path):
+    torch.manual_seed(0)
+    data = ToyRegression(512)
+    loader = TensorLoader(data.x, data.y, batch_size=32, shuffle=True)
+    model = LinearRegression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = sd.Trainer(model, loader, opt, torch.device("cpu"), save_every=2,
+                         checkpoint_path=tmp_path / "toy.pt", loss_fn=F.mse_loss)
+    losses = trainer.train(4)
+    assert losses[-1] < 0.1 * losses[0]
+    assert sd.load_checkpoint(tmp_path / "toy.pt", LinearRegression()) == 4
+
+
+@requires_data
+@pytest.mark.task("01.1")
+def test_cli_trains_and_reports_test_accuracy(tmp_path):
+    ck = tmp_path / "ck.pt"
+    proc = run_script(script(LESSON, "single_device.py"), "--epochs", "1", "--limit-batches",
+                      "60", "--batch-size", "64", "--checkpoint", str(ck), timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    acc = float(proc.stdout.split("test accuracy:")[1].split()[0])
+    assert acc > 0.6, proc.stdout  # 60 steps already beat chance (0.1) by far
+    resumed = run_script(script(LESSON, "single_device.py"), "--epochs", "2", "--limit-batches",
+                         "5", "--resume", str(ck), timeout=180)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "cifar"], "invalid choice"),
+    (["--batch-size", "0"], "batch size must be a positive integer"),
+    (["--device", "cuda"], "no CUDA GPU"),
+    (["--checkpoint", "/nonexistent-dir/ck.pt"], "does not exist"),
+])
+def test_cli_bad_input_gets_one_clear_line(args, message):
+    if args == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run_script(script(LESSON, "single_device.py"), *args, "--limit-batches", "1")
+    assert message in one_line_error(proc)
+
+
+def test_cli_corrupted_checkpoint_gets_one_clear_line(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x00garbage")
+    proc = run_script(script(LESSON, "single_device.py"), "--resume", str(bad),
+                      "--limit-batches", "1")
+    assert "corrupted" in one_line_error(proc)
+
+
+def test_cli_missing_data_offline_says_how_to_get_it(tmp_path):
+    proc = run_script(script(LESSON, "single_device.py"), "--limit-batches", "1",
+                      env={"DPT_DATA": str(tmp_path), "DPT_OFFLINE": "1",
+                           "DPT_DEBIAN_DIR": str(tmp_path / "no-debian")})
+    line = one_line_error(proc)
+    assert "missing" in line and "make data" in line
+
+
+@requires_data
+@pytest.mark.slow
+@pytest.mark.task("01.2")
+def test_convnet_reaches_85_percent_after_one_epoch(sd):
+    """The README's figure: one epoch of the ConvNet on Fashion-MNIST, on the CPU."""
+    args = sd.build_parser().parse_args(["--epochs", "1", "--no-progress"])
+    result = sd.run(args)
+    assert result["accuracy"] >= 0.85, result["accuracy"]
