@@ -10,7 +10,12 @@ PYTEST_ARGS ?=
 
 LESSON_TESTS = $(if $(LESSON),$(wildcard tests/l$(LESSON)_*),tests)
 
-.PHONY: help setup data test test-fast grade exercises lint run-01 clean
+QUICK ?=
+METHODS ?=
+NPROCS ?=
+BENCH_ARGS ?=
+
+.PHONY: help setup data test grade exercises lint run-01 benchmark clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
@@ -18,6 +23,7 @@ help:
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
+	@echo "make benchmark    time 1-vs-N runs of every method, plot speedups (QUICK=1, METHODS=a,b, NPROCS=1,2)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
 	@echo "make lint         ruff"
 
@@ -44,6 +50,9 @@ exercises: setup
 
 lint: setup
 	$(VENV)/bin/ruff check dpt solutions tests tools benchmarks
+
+benchmark: setup data
+	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(BENCH_ARGS)
 
 run-01: setup data
 	$(PY) solutions/01_single_device/single_device.py --epochs 1

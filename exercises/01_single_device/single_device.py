@@ -28,8 +28,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dpt import checkpoint as ckpt
-from dpt.data import (DATASETS, DEFAULT_DATASET, DataError, ToyRegression, TensorLoader,
-                      check_batch_size, make_loader, prepare)
+from dpt.data import (
+    DATASETS,
+    DEFAULT_DATASET,
+    DataError,
+    TensorLoader,
+    ToyRegression,
+    check_batch_size,
+    make_loader,
+    prepare,
+)
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
 from dpt.dist import set_threads
 from dpt.models import MODELS, LinearRegression, build_model

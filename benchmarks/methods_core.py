@@ -1,0 +1,81 @@
+"""Reference methods the harness itself provides.
+
+- ``single``: lesson 01's loop on the fast path (whole dataset as tensors), one rank only.
+- ``single_dataloader``: seed 003's loop: torchvision dataset, per-sample transform, DataLoader.
+- ``independent``: N ranks each training its own model, no communication at all. The ceiling
+  data parallelism could reach on this machine: whatever it loses to ideal is the hardware
+  (cores, memory bandwidth), not communication.
+- ``ddp_no_buffer_broadcast``: torch DDP with ``broadcast_buffers=False``, to show what the
+  per-forward broadcast of batch-norm buffers costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.registry import BenchContext, method
+
+
+def _sgd_step(model, optimizer, batch) -> float:
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _real_batches(ctx: BenchContext, fast: bool):
+    from dpt.data import make_loader, prepare
+
+    prepare("fashion-mnist", quiet=True)
+    loader = make_loader("fashion-mnist", train=True, batch_size=ctx.batch_size, fast=fast,
+                         seed=ctx.seed)
+    return (tuple(t.to(ctx.device) for t in b) for epoch in itertools.count()
+            for b in loader)
+
+
+@method("single", "one rank, lesson 01's loop over Fashion-MNIST held as tensors (fast path)",
+        requires=("data",), max_procs=1)
+def single(ctx: BenchContext):
+    model = ctx.model().to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batches = _real_batches(ctx, fast=True)
+    return lambda: _sgd_step(model, opt, next(batches))
+
+
+@method("single_dataloader",
+        "one rank, seed 003's loop: torchvision dataset + per-sample transform + DataLoader",
+        requires=("data",), max_procs=1)
+def single_dataloader(ctx: BenchContext):
+    model = ctx.model().to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batches = _real_batches(ctx, fast=False)
+    return lambda: _sgd_step(model, opt, next(batches))
+
+
+@method("independent", "N ranks training separate models, no communication (the ceiling)")
+def independent(ctx: BenchContext):
+    model = ctx.model().to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = ctx.batch()
+    return lambda: _sgd_step(model, opt, batch)
+
+
+@method("ddp_no_buffer_broadcast",
+        "torch DDP with broadcast_buffers=False: no per-forward batch-norm buffer broadcast")
+def ddp_no_buffer_broadcast(ctx: BenchContext):
+    model = ctx.model().to(ctx.device)
+    ddp = DDP(model, broadcast_buffers=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    batch = ctx.batch()
+
+    def compute_only() -> float:
+        with ddp.no_sync():
+            return _sgd_step(ddp, opt, batch)
+
+    return lambda: _sgd_step(ddp, opt, batch), {"compute_step": compute_only}

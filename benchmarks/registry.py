@@ -1,0 +1,110 @@
+"""The method registry every lesson plugs into.
+
+A *method* is one way of running a training step on N ranks (plain DDP, a hand-written DDP,
+bf16 autocast, FSDP2, ...). Lessons register theirs in ``benchmarks/methods_lNN.py``::
+
+    from benchmarks.registry import BenchContext, method
+
+    @method("ddp_naive", "hand-written DDP: all-reduce every gradient after backward")
+    def ddp_naive(ctx: BenchContext):
+        model = ctx.model().to(ctx.device)
+        ...
+        def step() -> float:            # one full training step on ctx.batch()
+            ...
+            return loss.item()
+        return step                     # or (step, extras): see below
+
+The harness (``benchmarks/run.py``) starts the ranks, initializes the process group
+(gloo on CPU, NCCL on GPUs), calls the method on every rank, runs warm-up steps, then timed
+steps with device synchronization around each, and records throughput, peak memory and the
+final loss. ``timers`` lets a method report, per step, seconds spent in communication
+(key ``"comm"``); the harness resets it before each timed step. Return
+``(step, {"timers": timers})``, or ``(step, {"compute_step": fn})`` where ``fn`` does the same
+step without communication (``ddp.no_sync()``): the harness times both, and the difference is
+communication plus waiting.
+
+A method must not fake work it does not do: ``requires`` says when it cannot run
+("cuda", "cuda>=2", "apex"), and the harness records it as skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dpt.models import build_model
+
+
+@dataclass
+class BenchContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    batch_size: int  # per rank
+    model_name: str = "convnet"
+    seed: int = 0
+    options: dict = field(default_factory=dict)
+
+    def model(self) -> torch.nn.Module:
+        """The benchmark model, with the same initial weights on every rank."""
+        torch.manual_seed(self.seed)
+        return build_model(self.model_name)
+
+    def batch(self, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A synthetic MNIST-shaped batch for this rank (different data on each rank)."""
+        g = torch.Generator().manual_seed(self.seed * 100003 + self.rank * 1009 + step)
+        x = torch.randn(self.batch_size, 1, 28, 28, generator=g)
+        y = torch.randint(0, 10, (self.batch_size,), generator=g)
+        return x.to(self.device), y.to(self.device)
+
+
+@dataclass
+class Method:
+    name: str
+    description: str
+    factory: Callable
+    requires: tuple[str, ...] = ()
+    min_procs: int = 1
+    lesson: str = ""
+    max_procs: int | None = None
+
+
+REGISTRY: dict[str, Method] = {}
+
+
+def method(name: str, description: str, requires: tuple[str, ...] = (), min_procs: int = 1,
+           max_procs: int | None = None):
+    """Register a benchmark method (see the module docstring)."""
+
+    def wrap(fn: Callable) -> Callable:
+        if name in REGISTRY:
+            raise ValueError(f"benchmark method {name!r} is registered twice")
+        REGISTRY[name] = Method(name, description, fn, tuple(requires), min_procs,
+                                fn.__module__.rsplit("_", 1)[-1], max_procs)
+        return fn
+
+    return wrap
+
+
+def load_all() -> dict[str, Method]:
+    """Import every ``benchmarks/methods_*.py`` so their methods register."""
+    import importlib
+    import pkgutil
+    import sys
+    from pathlib import Path
+
+    # Methods import lesson modules by name, as the tests do: put every lesson on sys.path.
+    solutions = Path(__file__).resolve().parent.parent / "solutions"
+    for lesson in sorted(solutions.glob("[0-9][0-9]_*")):
+        if str(lesson) not in sys.path:
+            sys.path.append(str(lesson))
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if info.name.startswith("methods_"):
+            importlib.import_module(f"benchmarks.{info.name}")
+    # Extra method modules (the harness's own tests register failing methods this way).
+    for extra in filter(None, os.environ.get("DPT_BENCH_EXTRA", "").split(",")):
+        importlib.import_module(extra)
+    return REGISTRY

@@ -1,0 +1,18 @@
+"""Benchmark methods that misbehave on purpose, for the harness's own tests."""
+
+import time
+
+from benchmarks.registry import method
+
+
+@method("broken", "raises on construction (test only)")
+def broken(ctx):
+    raise RuntimeError("this method is broken on purpose")
+
+
+@method("stuck", "never finishes a step (test only)")
+def stuck(ctx):
+    def step():
+        time.sleep(3600)
+
+    return step
