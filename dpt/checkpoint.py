@@ -45,7 +45,8 @@ def load(path: str | os.PathLike, map_location: Any = "cpu", weights_only: bool 
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds on bad files
         raise CheckpointError(
             f"checkpoint {path} is corrupted or not a torch checkpoint "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from exc
+            f"({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or ['empty or truncated file'])[0][:120]})") from exc
 
 
 def strip_module_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:

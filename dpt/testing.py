@@ -48,7 +48,8 @@ def _context():
         method = os.environ.get("DPT_MP_START", "forkserver")
         _CTX = mp.get_context(method)
         if method == "forkserver":
-            _CTX.set_forkserver_preload(["torch", "torch.distributed", "dpt.dist"])
+            # torch._dynamo is imported by the first optimizer step and by DDP: seconds per rank.
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dpt.dist"])
     return _CTX
 
 
@@ -111,6 +112,25 @@ def _tail(path: Path, lines: int = 30) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def _other_errors(pending: dict, grace: float = 2.0) -> str:
+    """After a first failure, give the other ranks a moment to report theirs.
+
+    When one rank raises, its peers often fail too, with a connection error in a collective;
+    whichever report arrives first, the root cause is then in the message as well.
+    """
+    found, deadline = [], time.monotonic() + grace
+    while pending and time.monotonic() < deadline:
+        for conn in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+            rank = pending.pop(conn)
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                continue
+            if status == "error":
+                found.append(f"\n--- rank {rank} also failed ---\n{payload}")
+    return "".join(found)
 
 
 def _kill(procs) -> None:
@@ -188,10 +208,12 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
                         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                         continue
                     if status == "error":
+                        others = _other_errors(pending)
                         _kill(procs)
                         raise RankFailure(
                             f"rank {rank} of {world_size} failed:\n{payload}\n"
-                            f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}")
+                            f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}"
+                            + others)
                     raise _died(rank)
                 elif obj in sentinels:
                     rank = sentinels.pop(obj)

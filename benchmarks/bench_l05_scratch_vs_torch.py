@@ -1,0 +1,169 @@
+"""Lesson 05: step throughput of the hand-written DDPs against torch DDP, in one run.
+
+World size 2, gloo, one thread per rank, seed 003's ConvNet (without batch norm, so no
+wrapper has buffers to keep in sync) on a synthetic batch of ``--batch`` images per rank:
+a compute-bound configuration (about 26k parameters, 0.1 MB of gradients, against tens of
+milliseconds of convolution). The variants are interleaved inside one process group, each
+repeat in a rotated order; every block is ``--steps`` steps after a barrier, its time the
+slowest rank's. Reported: median time per step, the same step under ``no_sync()`` (compute
+only), their difference (communication and waiting), and throughput relative to torch DDP.
+
+    python benchmarks/bench_l05_scratch_vs_torch.py --repeats 7
+
+Writes benchmarks/results/l05_scratch_vs_torch.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LESSON = REPO / "solutions" / "05_ddp_from_scratch"
+OUT = REPO / "benchmarks" / "results"
+VARIANTS = ["torch", "naive", "overlap", "bucketed"]
+
+
+def _wrap(name, module):
+    from torch.nn.parallel import DistributedDataParallel
+
+    if name == "torch":
+        return DistributedDataParallel(module)  # the model has no buffers to broadcast
+    if name == "naive":
+        from naive_ddp import NaiveDDP
+        return NaiveDDP(module)
+    if name == "overlap":
+        from overlap_ddp import OverlapDDP
+        return OverlapDDP(module)
+    from bucketed_ddp import BucketedDDP
+    return BucketedDDP(module, bucket_cap_mb=25.0)
+
+
+def bench_rank(rank, world_size, batch, steps, repeats, warmup):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from dpt.models import ConvNet
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    runs = {}
+    for name in VARIANTS:
+        torch.manual_seed(0)
+        model = _wrap(name, ConvNet(batch_norm=False))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        finish = getattr(model, "finish_gradient_synchronization", lambda: None)
+
+        def step(model=model, opt=opt, finish=finish):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            finish()
+            opt.step()
+
+        def compute(model=model, step=step):
+            with model.no_sync():
+                step()
+
+        runs[name] = {"step": step, "compute": compute}
+
+    def block(fn, n):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    for name in VARIANTS:  # warm-up, both kinds of step
+        block(runs[name]["step"], warmup)
+        block(runs[name]["compute"], warmup)
+    times = {name: {"step": [], "compute": []} for name in VARIANTS}
+    for r in range(repeats):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        for name in order:
+            for kind in ("step", "compute"):
+                times[name][kind].append(block(runs[name][kind], steps))
+    grad_bytes = sum(p.numel() * p.element_size() for p in ConvNet(batch_norm=False).parameters())
+    return {"times": times, "threads": torch.get_num_threads(), "grad_bytes": grad_bytes}
+
+
+def summarize(raw: dict) -> dict:
+    rows = {}
+    for name, t in raw["times"].items():
+        step, compute = statistics.median(t["step"]), statistics.median(t["compute"])
+        rows[name] = {"step_s": step, "compute_s": compute, "comm_s": max(0.0, step - compute)}
+    for row in rows.values():
+        row["throughput_vs_torch"] = rows["torch"]["step_s"] / row["step_s"]
+    # the ratio per repeat (adjacent blocks), whose median is less sensitive to drifting load
+    for name in rows:
+        ratios = [a / b for a, b in zip(raw["times"]["torch"]["step"], raw["times"][name]["step"])]
+        rows[name]["paired_ratio_median"] = statistics.median(ratios)
+    return rows
+
+
+def plot(rows: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    compute = [rows[n]["compute_s"] * 1e3 for n in names]
+    comm = [rows[n]["comm_s"] * 1e3 for n in names]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.bar(names, compute, label="compute (same step under no_sync)")
+    ax.bar(names, comm, bottom=compute, label="communication + waiting")
+    for i, n in enumerate(names):
+        ax.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x",
+                ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128, help="images per rank")
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    if min(args.batch, args.steps, args.repeats) < 1 or args.warmup < 0:
+        print("error: --batch, --steps and --repeats must be positive", file=sys.stderr)
+        return 2
+    for p in (str(REPO), str(LESSON)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import benchmarks.bench_l05_scratch_vs_torch as me  # ranks import it by name
+    from dpt.testing import run_distributed
+
+    raw = run_distributed(me.bench_rank, world_size=2, threads=1, timeout=900, echo=False,
+                          args=(args.batch, args.steps, args.repeats, args.warmup))[0]
+    rows = summarize(raw)
+    OUT.mkdir(parents=True, exist_ok=True)
+    result = {"config": vars(args) | {"world_size": 2, "threads_per_rank": raw["threads"],
+                                      "model": "ConvNet(batch_norm=False)",
+                                      "grad_bytes": raw["grad_bytes"], "backend": "gloo"},
+              "summary": rows, "raw_seconds_per_step": raw["times"]}
+    (OUT / "l05_scratch_vs_torch.json").write_text(json.dumps(result, indent=2))
+    plot(rows, OUT / "l05_scratch_vs_torch.png",
+         f"ws=2, 1 thread/rank, ConvNet, batch {args.batch}/rank; label: throughput vs torch DDP")
+    print(f"{'variant':10s} {'step ms':>8s} {'compute':>8s} {'comm':>7s} {'vs torch':>9s} {'paired':>7s}")
+    for name, r in rows.items():
+        print(f"{name:10s} {r['step_s'] * 1e3:8.2f} {r['compute_s'] * 1e3:8.2f} "
+              f"{r['comm_s'] * 1e3:7.2f} {r['throughput_vs_torch']:9.3f} {r['paired_ratio_median']:7.3f}")
+    print(f"wrote {OUT / 'l05_scratch_vs_torch.json'} and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Lesson 04's benchmark method: plain DDP plus the snapshots that make it fault tolerant.
+
+Launching with torchrun does not change a training step: the ranks run the same DDP step as
+lesson 03 whichever launcher started them (the harness starts them its own way). What lesson 04
+adds to the cost of training is the snapshot: a gather of every rank's RNG state, rank 0's
+atomic write (serialize, fsync, rename) and a barrier. ``ddp_snapshot`` times DDP steps with a
+snapshot every ``snapshot_every`` steps (option, default 10: one in every window of 10 timed steps), so
+that against plain DDP it shows what fault tolerance costs per step at that frequency.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.registry import BenchContext, method
+
+
+@method("ddp_snapshot",
+        "torch DDP (the step torchrun launches in lesson 04) + a rank-0 atomic snapshot of "
+        "model, optimizer and RNG every 10 steps")
+def ddp_snapshot(ctx: BenchContext):
+    from ddp_torchrun import save_snapshot  # lesson 04's module (registry puts it on sys.path)
+
+    model = ctx.model().to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    every = int(ctx.options.get("snapshot_every", 10))
+    folder = Path(tempfile.mkdtemp(prefix=f"dpt-l04-bench-r{ctx.rank}-"))
+    weakref.finalize(opt, shutil.rmtree, folder, True)
+    batch = ctx.batch()
+    count = {"steps": 0}
+
+    def plain() -> float:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def step() -> float:
+        loss = plain()
+        count["steps"] += 1
+        if count["steps"] % every == 0:
+            save_snapshot(folder / "snapshot.pt", ddp, opt, count["steps"], ctx.seed, ctx.device)
+        return loss
+
+    return step

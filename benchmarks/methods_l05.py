@@ -1,0 +1,55 @@
+"""Lesson 05's hand-written DDPs as benchmark methods (``solutions/05_ddp_from_scratch``).
+
+Each returns ``(step, {"compute_step": fn})``: ``fn`` is the same step under ``no_sync()``,
+so the harness can split a step into compute and communication, as it does for torch DDP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.registry import BenchContext, method
+
+
+def _methods(ctx: BenchContext, wrapper):
+    model = wrapper(ctx.model().to(ctx.device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch = ctx.batch()
+
+    def step() -> float:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+        return loss.item()
+
+    def compute_only() -> float:
+        with model.no_sync():
+            return step()
+
+    return step, {"compute_step": compute_only}
+
+
+@method("ddp_naive", "lesson 05: hand-written DDP, all-reduce of every gradient after backward")
+def ddp_naive(ctx: BenchContext):
+    from naive_ddp import NaiveDDP
+
+    return _methods(ctx, NaiveDDP)
+
+
+@method("ddp_overlap", "lesson 05: hand-written DDP, one async all-reduce per gradient from hooks")
+def ddp_overlap(ctx: BenchContext):
+    from overlap_ddp import OverlapDDP
+
+    return _methods(ctx, OverlapDDP)
+
+
+@method("ddp_bucketed", "lesson 05: hand-written DDP, 25 MB buckets all-reduced from hooks")
+def ddp_bucketed(ctx: BenchContext):
+    from bucketed_ddp import BucketedDDP
+
+    cap = float(ctx.options.get("bucket_cap_mb", 25.0))
+    return _methods(ctx, lambda m: BucketedDDP(m, bucket_cap_mb=cap))

@@ -1,0 +1,208 @@
+# Exercise file, generated from solutions/ by `make exercises`.
+# Replace each `raise NotImplementedError("Task ...")` with your code;
+# `make grade` scores each task.
+"""Step 1 of lesson 05: the collectives DDP is built from, and a ring all-reduce by hand.
+
+Every rank calls the same collective with its own tensor; what comes back is fixed:
+
+- ``broadcast(t, src)``: every rank ends with ``src``'s tensor;
+- ``all_reduce(t)``: every rank ends with the element-wise sum over ranks;
+- ``all_gather(out_list, t)``: every rank ends with the list of all ranks' tensors;
+- ``reduce_scatter(out, in_list)``: rank r ends with the sum over ranks of ``in_list[r]``.
+
+Gloo (the CPU backend) has no ``reduce_scatter``; :func:`reduce_scatter` below builds it from
+``all_reduce`` there, so the check runs everywhere.
+
+:func:`ring_all_reduce` (task 05.1) is the algorithm NCCL and gloo use for large messages,
+written with point-to-point ``isend``/``recv``: N-1 steps of reduce-scatter around the ring,
+then N-1 steps of all-gather. Each rank sends ``2 (N-1)/N * bytes`` in total, which gives the
+ring model ``t = alpha + 2 (N-1)/N * bytes / bandwidth``.
+
+Timing study (rank processes started by ``dpt.testing.run_distributed``)::
+
+    python solutions/05_ddp_from_scratch/collectives.py --world-size 2 --max-mb 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """``dist.reduce_scatter``, or an all-reduce of every chunk where the backend lacks it."""
+    if dist.get_backend() != "gloo":
+        dist.reduce_scatter(output, inputs)
+        return
+    stacked = torch.stack(inputs)
+    dist.all_reduce(stacked)
+    output.copy_(stacked[dist.get_rank()])
+
+
+def check_collectives(rank: int, world_size: int) -> dict[str, list]:
+    """Run each collective on small tensors and assert what it must return (rank fn)."""
+    n = world_size
+    out = {}
+    # broadcast: rank 0 holds [0, 1, 2]; everyone else holds junk until the call.
+    t = torch.arange(3.0) if rank == 0 else torch.full((3,), -1.0)
+    dist.broadcast(t, src=0)
+    assert torch.equal(t, torch.arange(3.0)), t
+    out["broadcast"] = t.tolist()
+    # all_reduce: rank r holds r + 1 everywhere; the sum is n (n + 1) / 2.
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((2,), n * (n + 1) / 2)), t
+    out["all_reduce"] = t.tolist()
+    # all_gather: rank r contributes [r, 10 r]; everyone gets the list in rank order.
+    mine = torch.tensor([rank, 10.0 * rank])
+    gathered = [torch.empty(2) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, torch.tensor([r, 10.0 * r])) for r, g in enumerate(gathered))
+    out["all_gather"] = [g.tolist() for g in gathered]
+    # reduce_scatter: rank r sends chunk j = [r + j]; rank j receives sum over r of (r + j).
+    chunks = [torch.tensor([float(rank + j)]) for j in range(n)]
+    got = torch.empty(1)
+    reduce_scatter(got, chunks)
+    expected = sum(r + rank for r in range(n))
+    assert got.item() == expected, (got, expected)
+    out["reduce_scatter"] = got.tolist()
+    return out
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks, in place, with a ring of isend/recv; return it.
+
+    The flat tensor is cut into N chunks (``torch.tensor_split``, so sizes need not divide).
+    Reduce-scatter: at step s, rank r sends chunk (r - s) mod N to its right neighbour and adds
+    the chunk (r - s - 1) mod N it receives from its left one. After N-1 steps rank r owns the
+    full sum of chunk (r + 1) mod N. All-gather: N-1 more steps pass the finished chunks on.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    raise NotImplementedError("Task 05.1: reduce-scatter then all-gather around the ring with isend + recv")
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    # The slowest rank decides when a collective is done.
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_all_reduce(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> dict:
+    """Median seconds of ``ring_all_reduce`` and ``dist.all_reduce`` per size in bytes (rank fn)."""
+    rows = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4))
+        ring_all_reduce(x.clone())  # warm the connection up
+        rows.append({"bytes": x.numel() * 4,
+                     "ring_s": _median_seconds(lambda x=x: ring_all_reduce(x), repeats),
+                     "torch_s": _median_seconds(lambda x=x: dist.all_reduce(x), repeats)})
+    return {"world_size": world_size, "rows": rows}
+
+
+def fit_ring_model(nbytes: list[float], seconds: list[float], world_size: int) -> dict:
+    """Least squares for ``t = alpha + 2 (N-1)/N * bytes / bandwidth``."""
+    k = 2 * (world_size - 1) / world_size
+    xs = [k * b for b in nbytes]
+    mx, my = statistics.fmean(xs), statistics.fmean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, seconds)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError("time does not grow with size; cannot fit a bandwidth")
+    return {"alpha_s": max(0.0, my - slope * mx), "bandwidth_Bps": 1.0 / slope}
+
+
+def ring_model_seconds(fit: dict, nbytes: float, world_size: int) -> float:
+    return fit["alpha_s"] + 2 * (world_size - 1) / world_size * nbytes / fit["bandwidth_Bps"]
+
+
+def plot_timings(result: dict, path: Path | None = None):
+    import matplotlib
+
+    matplotlib.use("Agg") if path is not None else None
+    import matplotlib.pyplot as plt
+
+    n, rows = result["world_size"], result["rows"]
+    sizes = [r["bytes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key, label, marker in (("ring_s", "ring by hand (isend/recv)", "o"),
+                               ("torch_s", "dist.all_reduce", "s")):
+        times = [r[key] for r in rows]
+        fit = fit_ring_model(sizes, times, n)
+        ax.loglog(sizes, times, marker, label=f"{label}: {fit['bandwidth_Bps'] / 1e9:.2f} GB/s")
+        ax.loglog(sizes, [ring_model_seconds(fit, s, n) for s in sizes], "--", alpha=0.6)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(f"all-reduce on {n} ranks; dashed: t = a + 2(N-1)/N * bytes / bandwidth")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--min-kb", type=float, default=1)
+    parser.add_argument("--max-mb", type=float, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("allreduce_timing.json"))
+    parser.add_argument("--plot", type=Path, default=Path("allreduce_timing.png"))
+    args = parser.parse_args(argv)
+    try:
+        if args.world_size < 2:
+            raise ValueError("--world-size must be at least 2 to all-reduce anything")
+        if not 0 < args.min_kb * 1024 <= args.max_mb * 2**20:
+            raise ValueError("need 0 < --min-kb <= --max-mb")
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import collectives  # ranks import the function by module name, not from __main__
+
+    from dpt.testing import run_distributed
+
+    sizes, s = [], int(args.min_kb * 1024)
+    while s <= args.max_mb * 2**20:
+        sizes.append(s)
+        s *= 4
+    run_distributed(collectives.check_collectives, world_size=args.world_size, echo=False)
+    result = run_distributed(collectives.time_all_reduce, world_size=args.world_size,
+                             args=(sizes, args.repeats), timeout=600, echo=False)[0]
+    for row in result["rows"]:
+        print(f"{row['bytes']:>10d} B  ring {row['ring_s'] * 1e3:9.3f} ms   "
+              f"dist.all_reduce {row['torch_s'] * 1e3:9.3f} ms")
+    for key in ("ring_s", "torch_s"):
+        fit = fit_ring_model([r["bytes"] for r in result["rows"]],
+                             [r[key] for r in result["rows"]], args.world_size)
+        result[f"fit_{key[:-2]}"] = fit
+        print(f"{key[:-2]}: fitted bandwidth {fit['bandwidth_Bps'] / 1e9:.2f} GB/s, "
+              f"latency {fit['alpha_s'] * 1e6:.0f} us")
+    args.out.write_text(json.dumps(result, indent=2))
+    plot_timings(result, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

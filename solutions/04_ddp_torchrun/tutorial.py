@@ -1,0 +1,233 @@
+# %% [markdown]
+# # Lesson 04: torchrun, snapshots, and training that survives a dead worker
+#
+# In lesson 03 our own code started the ranks (`mp.spawn`) and handed each one its rank.
+# Here a launcher does that: `torchrun` starts one process per device and tells each one who it
+# is through environment variables. In exchange, it can do what `mp.spawn` cannot: restart the
+# whole group when a worker dies, and join processes on several machines.
+#
+# | task | function in `ddp_torchrun.py` | what it does |
+# |---|---|---|
+# | 04.1 | `torchrun_env` | read `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, ... (no `--local_rank` argument) |
+# | 04.2 | `make_train_loader` | this rank's share of the data: a `DistributedSampler` |
+# | 04.3 | `save_snapshot` | model, optimizer, epoch, every rank's RNG, sampler seed; rank 0 writes atomically |
+# | 04.4 | `load_snapshot` | every rank loads it, and gets its own RNG state back |
+# | 04.5 | `Trainer.train` | `set_epoch` every epoch; a snapshot every `save_every` epochs |
+#
+# The process group itself comes from `dpt.dist.setup` (lesson 03 taught what goes in it).
+
+# %%
+from dpt.notebook import use_lesson
+
+folder = use_lesson("04_ddp_torchrun")
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+import ddp_torchrun as lesson
+from dpt.data import prepare
+from dpt.dist import find_free_port
+
+prepare("fashion-mnist")
+
+# %% [markdown]
+# ## What torchrun tells each worker
+#
+# `torchrun --nproc-per-node=2 script.py` starts `script.py` twice. Each copy finds its
+# identity in its environment:
+#
+# | variable | meaning |
+# |---|---|
+# | `RANK` | global rank, 0 .. `WORLD_SIZE`-1, across all machines |
+# | `LOCAL_RANK` | rank on this machine: which GPU to pin |
+# | `WORLD_SIZE`, `LOCAL_WORLD_SIZE` | processes in the job, and on this machine |
+# | `MASTER_ADDR`, `MASTER_PORT` | where the process group meets (`init_process_group` reads them) |
+# | `TORCHELASTIC_RESTART_COUNT` | 0 on the first attempt, 1 after the first restart, ... |
+#
+# So the script parses no rank arguments at all. Here is 04.1 on a made-up environment, as
+# worker 3 of 4 on the second machine would see it after one restart:
+
+# %%
+print(lesson.torchrun_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                           "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}))
+
+# %% [markdown]
+# ## Migrating from `torch.distributed.launch`
+#
+# Seed 004 still shows the old launcher. It passed the local rank as an *argument*, so every
+# script had to parse it:
+#
+# ```bash
+# # before (deprecated): the launcher appends --local-rank=N (older torch: --local_rank=N)
+# python -m torch.distributed.launch --nproc_per_node=2 train.py --epochs 2
+# #   parser.add_argument("--local_rank", type=int); torch.cuda.set_device(args.local_rank)
+#
+# # halfway: --use_env (--use-env) puts it in LOCAL_RANK instead
+# python -m torch.distributed.launch --use_env --nproc_per_node=2 train.py --epochs 2
+#
+# # now: torchrun always sets the variables; the script reads os.environ["LOCAL_RANK"]
+# torchrun --standalone --nproc-per-node=2 train.py --epochs 2
+# ```
+#
+# Delete the `--local_rank` argument, read `LOCAL_RANK` (04.1), and call
+# `init_process_group` without a rank or a URL: the `env://` default reads the rest. Our
+# script refuses the old argument with one line telling you what to do:
+
+# %%
+print("exit code:", lesson.main(["--local_rank=0"]))
+
+# %% [markdown]
+# ## Why this notebook launches a script
+#
+# torchrun starts *programs*: it cannot run a function defined in a notebook cell, and neither
+# can `mp.spawn`, whose fresh interpreters would have to unpickle it. So the training lives in
+# `ddp_torchrun.py` and we start it with `subprocess`, exactly as on the command line
+# (`python -m torch.distributed.run` is torchrun, run by this kernel's Python).
+#
+# One variable must be set wherever the course starts torchrun:
+# `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. By default torchrun's agent shares its rendezvous
+# key-value store with the workers. After a restart, workers can then read keys left over from
+# the previous attempt, and on torch 2.14 with gloo they may never meet again (pytorch/pytorch
+# #167288 is the same trap with NCCL). The variable gives each attempt a fresh store.
+
+# %%
+SCRIPT = folder / "ddp_torchrun.py"
+work = Path(tempfile.mkdtemp(prefix="l04-"))
+TINY = ["--epochs", "3", "--limit-batches", "12", "--train-limit", "4096", "--test-limit", "1000",
+        "--batch-size", "32", "--threads", "1", "--no-progress"]
+
+
+def torchrun(*args, nproc=2, max_restarts=0, log="run.log"):
+    """Start `torchrun --nproc-per-node=nproc ... ddp_torchrun.py args` in the background."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}",
+           str(SCRIPT), *map(str, args)]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, stdout=open(work / log, "w"), stderr=subprocess.STDOUT,
+                            env=env)
+
+
+def finish(proc, log, timeout=150):
+    proc.wait(timeout=timeout)
+    text = (work / log).read_text()
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}:\n{text[-3000:]}")
+    return text
+
+# %% [markdown]
+# ## A run that fails halfway, next to one that does not
+#
+# Both runs train the ConvNet for 3 short epochs on 2 workers, with a snapshot after every
+# epoch. In the second, `--fail-at 1:5` makes rank 1 exit (`os._exit`, like a crash) at batch
+# 5 of epoch 1, but only when `TORCHELASTIC_RESTART_COUNT` is 0. With `--max-restarts=2`,
+# torchrun sees the dead worker, stops rank 0, starts both again; they find the snapshot
+# written after epoch 0 and go on from epoch 1. We start both runs at once to save time.
+
+# %%
+start = time.perf_counter()
+clean = torchrun(*TINY, "--snapshot", work / "clean.pt", "--out", work / "clean_w.pt",
+                 log="clean.log")
+faulty = torchrun(*TINY, "--snapshot", work / "faulty.pt", "--out", work / "faulty_w.pt",
+                  "--fail-at", "1:5", max_restarts=2, log="faulty.log")
+clean_log, faulty_log = finish(clean, "clean.log"), finish(faulty, "faulty.log")
+print(f"both runs done in {time.perf_counter() - start:.0f}s\n")
+keep = ("attempt", "injected", "resumed", "epoch ", "accuracy", "exitcode")
+for line in faulty_log.splitlines():
+    if any(k in line for k in keep) and not line.startswith("[rank"):
+        print(line[:160])
+
+# %% [markdown]
+# The log reads: attempt 0 trains epoch 0 and snapshots; rank 1 dies in epoch 1; torchrun
+# reports the failure and starts attempt 1, which resumes at epoch 1. Now the claim that makes
+# snapshots worth their trouble: the final weights equal those of the run that never failed.
+
+# %%
+a = torch.load(work / "clean_w.pt", weights_only=True)
+b = torch.load(work / "faulty_w.pt", weights_only=True)
+diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+print(f"largest difference over {len(a)} tensors: {diff:g}",
+      "(bit for bit)" if all(torch.equal(a[k], b[k]) for k in a) else "")
+
+
+def epoch_losses(log):
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"epoch (\d+): mean train loss ([\d.]+)",
+                                                         log)}
+
+
+lc, lf = epoch_losses(clean_log), epoch_losses(faulty_log)
+fig, ax = plt.subplots(figsize=(6, 3.2))
+ax.plot(list(lc), list(lc.values()), "o-", label="never failed")
+ax.plot(list(lf), list(lf.values()), "x", ms=12, label="resumed after the fault (attempt 1)")
+ax.axvline(1, color="red", ls=":", label="rank 1 dies in epoch 1")
+ax.set(xlabel="epoch", ylabel="mean train loss", xticks=list(lc),
+       title="Resuming from a snapshot repeats the same numbers")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Why exactly equal, and not just close? Everything the next epoch depends on is in the
+# snapshot or derived from it:
+#
+# - weights *and* batch-norm buffers (`state_dict`), and the optimizer's momentum buffers;
+# - the epoch, so `set_epoch(epoch)` gives the `DistributedSampler` the same shuffle (it is
+#   seeded by `seed + epoch`; the snapshot keeps the seed);
+# - each rank's RNG state, gathered to rank 0 (nothing in this ConvNet draws random numbers
+#   during training, but dropout or augmentation would, and then a resume without it differs).
+#
+# The fault struck mid-epoch, so the partial epoch 1 of attempt 0 is thrown away and redone.
+# That is the price of snapshots at epoch boundaries: up to `save-every` epochs of lost work.
+# Here is what rank 0 wrote:
+
+# %%
+snap = torch.load(work / "faulty.pt", weights_only=True)
+for key, value in snap.items():
+    if key == "model":
+        print(f"{key:10} {len(value)} tensors, no 'module.' prefix: "
+              f"{not any(k.startswith('module.') for k in value)}")
+    elif key == "optimizer":
+        print(f"{key:10} momentum buffers for {len(value['state'])} parameters")
+    elif key == "rng":
+        print(f"{key:10} one CPU generator state per rank: {[r['torch'].shape for r in value]}")
+    else:
+        print(f"{key:10} {value}")
+
+# %% [markdown]
+# ### Why the write must be atomic
+#
+# If a worker is killed *while* rank 0 writes, a snapshot written in place would be half a file,
+# and the restart would fail on it: the fault would have destroyed the very thing meant to
+# survive it. `dpt.checkpoint.atomic_save` writes to a temporary file in the same folder,
+# `fsync`s it, and renames it over the old one; on POSIX the rename is atomic, so the path
+# holds either the old snapshot or the new one. The tests kill a writer halfway and check. A
+# snapshot that is corrupted anyway (copied badly, disk full) stops every rank with one line:
+# `error: checkpoint .../snapshot.pt is corrupted or not a torch checkpoint (...)`.
+#
+# ## More machines
+#
+# On two machines, run the same torchrun command on each, with the same rendezvous endpoint
+# (a host and port of the first machine) and `--nnodes=2`. To try it on one machine, open two
+# terminals, with one free port:
+#
+# ```bash
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# torchrun --nnodes=2 --node-rank=0 --nproc-per-node=1 --rdzv-backend=c10d \
+#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo solutions/04_ddp_torchrun/ddp_torchrun.py
+# torchrun --nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=c10d \
+#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo solutions/04_ddp_torchrun/ddp_torchrun.py
+# ```
+#
+# With the `c10d` rendezvous the agents agree on node ranks among themselves in the order they
+# join, so `--node-rank` is only a label (torchrun warns that it ignores it); with
+# `--rdzv-backend=static` plus `--master-addr/--master-port` it is what fixes the ranks.
+# On a SLURM cluster, `torchrun.sbatch` does this for you: `srun` starts one torchrun per node,
+# and the endpoint is the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`.

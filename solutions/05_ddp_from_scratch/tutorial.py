@@ -1,0 +1,144 @@
+# %% [markdown]
+# # Lesson 05: DDP from scratch
+#
+# Seed 003 says what `DistributedDataParallel` does: every process runs its own forward and
+# backward, and "the gradients are all-reduced across the GPUs ... concurrently with the
+# backwards pass". This lesson builds that, one small diff at a time, and checks every step
+# against a single process trained on the whole batch and against torch's own DDP.
+#
+# | task | where | what it does |
+# |---|---|---|
+# | 05.1 | `collectives.ring_all_reduce` | all-reduce from `isend`/`recv` around a ring |
+# | 05.2 | `naive_ddp.broadcast_state` | start every rank from rank 0's parameters and buffers |
+# | 05.3 | `NaiveDDP.finish_gradient_synchronization` | all-reduce every gradient, divide by N |
+# | 05.4 | `OverlapDDP._register_hooks` | launch an async all-reduce as each gradient is ready |
+# | 05.5 | `OverlapDDP.finish_gradient_synchronization` | wait for the handles, then divide |
+# | 05.6 | `bucketed_ddp.assign_buckets` | group parameters into buckets, last layer first |
+# | 05.7 | `BucketedDDP._register_hooks` | all-reduce a flattened bucket once it is complete |
+# | 05.8 | `BucketedDDP.finish_gradient_synchronization` | wait, divide, unflatten into `.grad` |
+# | 05.9 | `NaiveDDP.no_sync` | skip the sync for gradient accumulation |
+#
+# Several processes cannot run functions defined in a notebook (each rank is a fresh process
+# that imports the function by name), so every rank runs code from the lesson files, launched
+# with `dpt.testing.run_distributed`: free port, gloo, one thread per rank, hard timeout.
+
+# %%
+from dpt.notebook import use_lesson
+
+use_lesson("05_ddp_from_scratch")
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+import bucketed_ddp
+import collectives
+import scratch_demo
+from dpt.data import load_tensors, prepare
+from dpt.models import ConvNet
+from dpt.testing import run_distributed
+
+# %% [markdown]
+# ## 1. Collectives by hand
+#
+# `check_collectives` calls `broadcast`, `all_reduce`, `all_gather` and `reduce_scatter` on
+# tiny tensors and asserts the answer on every rank. Read it next to the printout: rank r
+# contributes `r + 1` to the all-reduce, `[r, 10 r]` to the all-gather, and receives chunk r of
+# the reduce-scatter.
+
+# %%
+for rank, out in enumerate(run_distributed(collectives.check_collectives, world_size=3,
+                                           echo=False)):
+    print(f"rank {rank}: {out}")
+
+# %% [markdown]
+# ## The ring all-reduce (task 05.1)
+#
+# Cut the tensor into N chunks. For N-1 steps every rank sends one chunk to its right
+# neighbour and adds the chunk arriving from its left one (reduce-scatter); after that, rank r
+# holds the finished sum of chunk r+1. N-1 more steps pass the finished chunks around
+# (all-gather). Each rank sends 2(N-1)/N of the tensor, whatever N is: this is why the ring
+# model is `t = a + 2(N-1)/N * bytes / bandwidth`. We time our ring against `dist.all_reduce`
+# from 1 KB to 4 MB here (the script goes to 64 MB) and fit `a` and the bandwidth.
+
+# %%
+sizes = [2**k for k in range(10, 23, 2)]
+timing = run_distributed(collectives.time_all_reduce, world_size=2, args=(sizes, 3),
+                         timeout=300, echo=False)[0]
+for row in timing["rows"]:
+    print(f"{row['bytes']:>9d} B  ring {row['ring_s'] * 1e3:7.3f} ms  "
+          f"dist.all_reduce {row['torch_s'] * 1e3:7.3f} ms")
+collectives.plot_timings(timing)
+plt.show()
+
+# %% [markdown]
+# ## 2-4. Three DDPs, checked against one process
+#
+# * **naive** (`naive_ddp.py`): broadcast at construction, then one call after `backward()`
+#   that all-reduces every gradient and divides by N.
+# * **overlap** (`overlap_ddp.py`): a `register_post_accumulate_grad_hook` per parameter
+#   launches `dist.all_reduce(grad, async_op=True)` while backward goes on;
+#   `finish_gradient_synchronization()` waits.
+# * **bucketed** (`bucketed_ddp.py`): the same, but per bucket of gradients, flattened.
+#
+# Each rank starts from *different* random weights (seeded by rank), trains on its half of a
+# batch of 64 Fashion-MNIST images, and at the end every wrapper must hold the weights of one
+# process trained on all 64 from rank 0's start.
+
+# %%
+prepare("fashion-mnist", quiet=True)
+x, y = load_tensors("fashion-mnist", train=True, limit=64)
+states = run_distributed(scratch_demo.compare_rank, world_size=2, args=(x, y, 5),
+                         timeout=180, echo=False)
+single = scratch_demo.train(scratch_demo.make_model(seed=0), x, y, steps=5).state_dict()
+for name in states[0]:
+    diff = max((s[name][k] - v).abs().max().item() for s in states for k, v in single.items())
+    print(f"{name:10s} max |w - w_single| over both ranks: {diff:.2e}")
+
+# %% [markdown]
+# ## Buckets (task 05.6)
+#
+# Backward produces the last layer's gradients first, so buckets are filled from the last
+# registered parameter to the first. Here is ConvNet's gradient, in buckets of 0.05 MB:
+
+# %%
+convnet = ConvNet()
+names = [n for n, p in convnet.named_parameters() if p.requires_grad]
+params = [p for p in convnet.parameters() if p.requires_grad]
+for cap in (0.05, 1e-9, 25):
+    buckets = bucketed_ddp.assign_buckets(params, cap)
+    print(f"cap {cap} MB -> {len(buckets)} bucket(s):",
+          [[names[i] for i in b] for b in buckets][:3], "..." if len(buckets) > 3 else "")
+
+# %% [markdown]
+# ## 5. `no_sync()`
+#
+# With gradient accumulation, k micro-batches make one step. Only the last backward needs to
+# talk: inside `with model.no_sync():` the gradients just add up locally, and the sync after
+# the last micro-batch reduces the sum. The tests check that 2 micro-batches with `no_sync`
+# on the first give the same weights as one batch twice the size.
+#
+# ## Speed
+#
+# `benchmarks/bench_l05_scratch_vs_torch.py` times the four wrappers interleaved in one run
+# (2 ranks, 1 thread each, ConvNet without batch norm, 128 images per rank), and splits each
+# step into compute (the same step under `no_sync()`) and communication. Its last result:
+
+# %%
+result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
+if result_file.exists():
+    rows = json.loads(result_file.read_text())["summary"]
+    names = list(rows)
+    compute = [rows[n]["compute_s"] * 1e3 for n in names]
+    comm = [rows[n]["comm_s"] * 1e3 for n in names]
+    plt.bar(names, compute, label="compute")
+    plt.bar(names, comm, bottom=compute, label="communication + waiting")
+    for i, n in enumerate(names):
+        plt.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x", ha="center")
+    plt.ylabel("ms per step")
+    plt.legend()
+    plt.show()
+else:
+    print("run `python benchmarks/bench_l05_scratch_vs_torch.py` to measure; figures are in "
+          "this lesson's README")

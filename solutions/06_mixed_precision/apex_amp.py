@@ -1,0 +1,173 @@
+"""Lesson 06: NVIDIA Apex's amp, the historical path, and what replaced each piece.
+
+Seed 003 (2019) trains with::
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level='O2')
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    model = apex.parallel.DistributedDataParallel(model)
+
+Apex's amp was deprecated once ``torch.cuda.amp`` (now ``torch.amp``) shipped in PyTorch 1.6.
+This script runs the Apex variant only when NVIDIA Apex is really importable, on a GPU;
+otherwise it says why and prints the table mapping it to ``torch.amp``.
+
+    python apex_amp.py               # the table, and whether Apex can run here
+    python apex_amp.py --opt-level O1 --steps 50   # on a CUDA machine with NVIDIA Apex built
+
+Installing NVIDIA Apex: ``pip install apex`` fetches an unrelated PyPI package. NVIDIA Apex is
+built from source: ``git clone https://github.com/NVIDIA/apex && cd apex && pip install -v
+--no-build-isolation --config-settings "--build-option=--cpp_ext" --config-settings
+"--build-option=--cuda_ext" ./`` (needs a CUDA toolkit matching torch's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+# opt_level -> (what Apex did, what to write today)
+OPT_LEVELS = {
+    "O0": ("pure fp32: amp does nothing (the baseline to compare against)",
+           "no autocast, no scaler"),
+    "O1": ("patch torch functions: whitelisted ops (matmul, conv) in fp16, blacklisted ones "
+           "(softmax, losses) in fp32; weights stay fp32; dynamic loss scaling",
+           "torch.autocast(device_type, dtype=torch.float16) + torch.amp.GradScaler; "
+           "or dtype=torch.bfloat16 without a scaler"),
+    "O2": ("cast the model to fp16 (batch norm kept fp32), keep fp32 master weights in the "
+           "optimizer, dynamic loss scaling",
+           "autocast + GradScaler (fp32 weights, per-op casts) covers it; a hand-made fp16 "
+           "model with fp32 master copies is what FSDP's MixedPrecisionPolicy(param_dtype=...) "
+           "does today"),
+    "O3": ("pure fp16: model and optimizer in fp16, no master weights (a speed baseline, "
+           "often unstable)",
+           "model.half() (or .to(torch.bfloat16)); rarely what you want for training"),
+}
+
+API_MAP = [
+    ("from apex import amp", "import torch  (torch.amp)"),
+    ("amp.initialize(model, optimizer, opt_level='O1')",
+     "scaler = torch.amp.GradScaler('cuda'); wrap forward+loss in torch.autocast('cuda', "
+     "dtype=torch.float16)"),
+    ("with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()",
+     "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"),
+    ("amp.master_params(optimizer) for clipping",
+     "scaler.unscale_(optimizer); clip_grad_norm_(model.parameters(), max_norm)"),
+    ("amp.state_dict() / amp.load_state_dict()", "scaler.state_dict() / scaler.load_state_dict()"),
+    ("apex.parallel.DistributedDataParallel(model)",
+     "torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])"),
+    ("apex.parallel.convert_syncbn_model(model)", "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
+    ("python -m torch.distributed.launch ... --local_rank", "torchrun ...; LOCAL_RANK from the env"),
+]
+
+
+class OptLevelError(ValueError):
+    """An opt_level Apex would reject (or, worse, misread)."""
+
+
+def check_opt_level(opt_level: str) -> str:
+    """Return the canonical opt_level ``"O0"``..``"O3"`` (capital letter O, then a digit).
+
+    Seed 003 warns that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
+    lowercase ``"o1"`` is another. Both raise an OptLevelError that names the fix.
+    """
+    # BEGIN SOLUTION 06.4: strip the string; if it is in OPT_LEVELS return it; if it is "0"+digit, "o"+digit or similar, raise OptLevelError saying "letter O, not digit 0" and naming the right spelling; otherwise raise OptLevelError listing the valid levels
+    if not isinstance(opt_level, str):
+        raise OptLevelError(f"opt_level must be a string like 'O1', got {opt_level!r}")
+    level = opt_level.strip()
+    if level in OPT_LEVELS:
+        return level
+    if len(level) == 2 and level[0] in "0oO" and level[1] in "0123":
+        fixed = "O" + level[1]
+        raise OptLevelError(f"opt_level {opt_level!r} is not valid: it starts with the capital "
+                            f"letter O, not the digit 0 or a lowercase o; write {fixed!r}")
+    raise OptLevelError(f"unknown opt_level {opt_level!r}; choose one of {', '.join(OPT_LEVELS)} "
+                        "(capital letter O, then a digit)")
+    # END SOLUTION
+
+
+def apex_status() -> tuple[bool, str]:
+    """``(True, "")`` when NVIDIA Apex's amp is importable, else ``(False, why)``."""
+    try:
+        apex = importlib.import_module("apex")
+    except ImportError:
+        return False, ("NVIDIA Apex is not installed. It is not on PyPI: `pip install apex` "
+                       "installs an unrelated package. Build it from source "
+                       "(https://github.com/NVIDIA/apex) on a CUDA machine; torch.amp does the "
+                       "same job today.")
+    try:
+        importlib.import_module("apex.amp")
+    except Exception as exc:  # noqa: BLE001 - a broken build raises many kinds
+        where = getattr(apex, "__file__", "?")
+        return False, (f"an `apex` module is importable ({where}) but `apex.amp` is not "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}). "
+                       "It is probably the unrelated PyPI package `apex`, or an Apex built "
+                       "without its Python amp module. NVIDIA Apex is built from source.")
+    if not torch.cuda.is_available():
+        return False, "NVIDIA Apex is installed, but its amp needs a CUDA GPU and there is none."
+    return True, ""
+
+
+def print_tables() -> None:
+    print("Apex opt_level -> what it did -> today")
+    for level, (then, now) in OPT_LEVELS.items():
+        print(f"  {level}: {then}\n      today: {now}")
+    print("\nApex call -> torch equivalent")
+    for old, new in API_MAP:
+        print(f"  {old}\n      -> {new}")
+
+
+def train_with_apex(opt_level: str, steps: int, batch_size: int = 64) -> list[float]:  # pragma: no cover - needs CUDA + Apex
+    """Seed 003's Apex loop (single GPU). Only runs where :func:`apex_status` says yes."""
+    import torch.nn.functional as F
+    from apex import amp  # noqa: PLC0415 - optional dependency
+
+    from dpt.data import make_loader, prepare
+    from dpt.models import ConvNet
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = ConvNet().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+    prepare("fashion-mnist", quiet=True)
+    loader = make_loader("fashion-mnist", train=True, batch_size=batch_size, seed=0)
+    losses = []
+    for step, (x, y) in enumerate(loader):
+        if step >= steps:
+            break
+        x, y = x.to(device), y.to(device)
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--opt-level", default="O1", help="O0, O1, O2 or O3 (letter O)")
+    p.add_argument("--steps", type=int, default=50)
+    args = p.parse_args(argv)
+    try:
+        level = check_opt_level(args.opt_level)
+    except OptLevelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_tables()
+    ok, why = apex_status()
+    if not ok:
+        print(f"\nApex variant not run: {why}")
+        print("The torch.amp version of the same training is amp_train.py.")
+        return 0
+    losses = train_with_apex(level, args.steps)  # pragma: no cover
+    print(f"Apex {level}: {len(losses)} steps, last loss {losses[-1]:.4f}")  # pragma: no cover
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

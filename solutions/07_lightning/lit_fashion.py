@@ -1,0 +1,158 @@
+"""Lesson 07: seed 000's ``TutorialModule`` and ``MNISTDataModule``, written for Lightning 2.x.
+
+What changed from the seed, and why:
+
+- ``Accuracy(task="multiclass", num_classes=10)``: torchmetrics 0.11+ needs the task.
+- No ``*_step_end`` / ``*_epoch_end`` hooks: Lightning 2.0 removed them (see ``lit_migration``).
+- Validation metrics are reduced over *every* rank: the accuracy is a torchmetrics object
+  (its ``compute()`` all-gathers its counts), the loss is a plain tensor logged with
+  ``sync_dist=True``. Without that, each rank logs the number for its own half of the data.
+- Seed 001's portable habits: no ``.cuda()`` / ``.to()`` inside the module, new tensors made on
+  ``self.device`` with the input's dtype, no hand-made ``DistributedSampler`` (the Trainer adds
+  one), and ``prepare_data`` (one process per machine touches the disk/network) versus
+  ``setup`` (every process builds its datasets, identically).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset, random_split
+from torchmetrics import Accuracy
+
+from dpt import data as dpt_data
+from dpt.models import MLP
+
+
+def _rank() -> int:
+    """This process's global rank, read from the launcher's variables (0 when alone)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+class FashionDataModule(pl.LightningDataModule):
+    """Fashion-MNIST (or MNIST when present) held in memory, split 55k/5k like seed 000.
+
+    ``train_limit`` / ``val_limit`` keep the first samples of each split, for short runs.
+    ``shuffle=False`` makes the order deterministic, so a 2-rank run and a 1-rank run with a
+    twice-as-large batch see exactly the same samples at each step (the tests rely on it).
+    """
+
+    def __init__(self, dataset: str = dpt_data.DEFAULT_DATASET, data_dir: str | None = None,
+                 batch_size: int = 16, val_size: int = 5000, train_limit: int | None = None,
+                 val_limit: int | None = None, shuffle: bool = True, seed: int = 0,
+                 verbose: bool = True):
+        super().__init__()
+        dpt_data.dataset_info(dataset)  # unknown name: ValueError now, not on every rank later
+        dpt_data.check_batch_size(batch_size)
+        self.dataset, self.data_dir = dataset, data_dir
+        self.batch_size, self.val_size = batch_size, val_size
+        self.train_limit, self.val_limit = train_limit, val_limit
+        self.shuffle, self.seed, self.verbose = shuffle, seed, verbose
+        self.num_classes = 10
+
+    def _say(self, what: str) -> None:
+        if self.verbose:
+            print(f"[rank {_rank()} pid {os.getpid()}] {what}", flush=True)
+
+    def prepare_data(self) -> None:
+        """Lightning calls this on ONE process per machine: download or unpack here."""
+        self._say("prepare_data")
+        # BEGIN SOLUTION 07.3: make sure the files are on disk (dpt_data.prepare); nothing else
+        dpt_data.prepare(self.dataset, self.data_dir)
+        # END SOLUTION
+
+    def setup(self, stage: str | None = None) -> None:
+        """Lightning calls this on EVERY process: build the datasets, never download here."""
+        self._say(f"setup({getattr(stage, 'value', stage)})")
+        # BEGIN SOLUTION 07.3: load tensors (no download) and split with a seeded generator
+        if stage in ("fit", "validate", None):
+            x, y = dpt_data.load_tensors(self.dataset, train=True, root=self.data_dir)
+            full = TensorDataset(x, y)
+            # The same seed on every rank: each rank must hold the SAME train/val split,
+            # or validation samples leak into another rank's training data.
+            generator = torch.Generator().manual_seed(self.seed)
+            train, val = random_split(full, [len(full) - self.val_size, self.val_size],
+                                      generator=generator)
+            self.train_set = _head(train, self.train_limit)
+            self.val_set = _head(val, self.val_limit)
+        if stage in ("test", None):
+            x, y = dpt_data.load_tensors(self.dataset, train=False, root=self.data_dir)
+            self.test_set = TensorDataset(x, y)
+        # END SOLUTION
+
+    # No DistributedSampler anywhere below: under ddp the Trainer swaps in one per rank.
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle,
+                          generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test_set, batch_size=self.batch_size)
+
+
+def _head(ds, limit: int | None):
+    if limit is None or limit >= len(ds):
+        return ds
+    return torch.utils.data.Subset(ds, range(limit))
+
+
+class LitClassifier(pl.LightningModule):
+    """Seed 000's 2-layer MLP (hidden 128, Adam, lr 1e-4) as a Lightning 2.x module."""
+
+    def __init__(self, hidden_dim: int = 128, learning_rate: float = 1e-4,
+                 noise_std: float = 0.0, num_classes: int = 10):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = MLP(hidden_dim, num_classes)
+        self.val_acc = Accuracy(task="multiclass", num_classes=num_classes)
+        self.test_acc = Accuracy(task="multiclass", num_classes=num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No x.cuda() / x.to(device) here: Lightning has already moved the batch.
+        return self.net(x)
+
+    def add_noise(self, x: torch.Tensor) -> torch.Tensor:
+        """Gaussian input noise while training (a regularizer), on x's device and dtype."""
+        if not self.training or self.hparams.noise_std == 0:
+            return x
+        # BEGIN SOLUTION 07.4: a fresh random tensor on self.device with x's dtype, never .cuda()
+        noise = torch.randn(x.shape, device=self.device, dtype=x.dtype)
+        return x + self.hparams.noise_std * noise
+        # END SOLUTION
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.hparams.noise_std > 0:
+            x = self.add_noise(x)
+        # BEGIN SOLUTION 07.1: forward, cross-entropy, log "train_loss" (per step, no sync), return it
+        loss = F.cross_entropy(self(x), y)
+        # Per-step logging of a rank's own loss: a sync here would cost an all-reduce per step.
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+        # END SOLUTION
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        # BEGIN SOLUTION 07.2: update self.val_acc and log it (the Metric object) and "val_loss" with sync_dist=True
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.val_acc.update(logits.argmax(dim=1), y)
+        # A Metric object: Lightning calls compute() at epoch end, which sums the counts of
+        # every rank. A plain tensor (the loss) needs sync_dist=True to be averaged across ranks.
+        self.log("val_acc", self.val_acc, prog_bar=True)
+        self.log("val_loss", loss, sync_dist=True)
+        # END SOLUTION
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.test_acc.update(self(x).argmax(dim=1), y)
+        self.log("test_acc", self.test_acc)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)

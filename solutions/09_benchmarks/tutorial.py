@@ -1,0 +1,113 @@
+# %% [markdown]
+# # Lesson 09: reading the benchmark
+#
+# `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks and
+# writes `benchmarks/results/latest.json`. This notebook reads the latest results (the
+# committed ones come from a 2-core CPU with gloo, one thread per rank) and answers the seeds'
+# question: **how much faster is N devices, and why not N times?**
+
+# %%
+import json
+import sys
+from pathlib import Path
+
+from dpt.notebook import use_lesson
+
+use_lesson("09_benchmarks")
+from dpt.data import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from benchmarks.costmodel import INTERCONNECTS, RingModel
+from benchmarks.run import make_plots, summary_markdown
+
+results = REPO_ROOT / "benchmarks" / "results" / "latest.json"
+result = json.loads(results.read_text())
+print("machine:", result["machine"]["label"], "|", result["machine"]["cpu"])
+print("measured:", result["stamp"], "| scaling:", result["config"]["scaling"])
+
+# %% [markdown]
+# ## The table
+#
+# Throughput is samples per second over all ranks. Speedup divides it by the same method's
+# throughput at N = 1; efficiency divides the speedup by N. Every figure comes from one run, side
+# by side, because this machine is shared and noisy: compare ratios, not absolute numbers.
+
+# %%
+display(Markdown(summary_markdown(result)))
+
+# %% [markdown]
+# ## Speedup and efficiency
+#
+# The dotted line is ideal scaling. The dashed grey line is the cost model below, fitted from
+# this machine's own all-reduce timings and projected to N = 64.
+
+# %%
+import tempfile
+
+with tempfile.TemporaryDirectory() as tmp:
+    for png in make_plots(result, Path(tmp)):
+        img = plt.imread(png)
+        plt.figure(figsize=(8, 5))
+        plt.imshow(img)
+        plt.axis("off")
+        plt.show()
+
+# %% [markdown]
+# ## Why not 2x on 2 devices?
+#
+# A data-parallel step is the compute of one rank's batch, then an all-reduce of the gradients.
+# The ring all-reduce sends each byte 2(N-1)/N times, so its time is about
+# `t = alpha + 2(N-1)/N * bytes / bandwidth`. With compute `c` per step, weak-scaling speedup is
+# `N * c / (c + t)`. Where the measured speedup falls below even that, the rest is lost to
+# things the model leaves out: cores shared between ranks and gloo's own threads, memory
+# bandwidth, and ranks waiting for the slowest one at every synchronization point.
+
+# %%
+cm = result.get("cost_model")
+recs = {(r["method"], r["nprocs"]): r for r in result["records"]
+        if r["status"] == "ok" and r.get("sweep") is None}
+if cm:
+    model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
+    print(f"fitted: alpha {cm['alpha_s'] * 1e6:.0f} us, bandwidth {cm['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    print(f"gradients {cm['grad_bytes'] / 1e3:.0f} KB; compute per step {cm['compute_s'] * 1e3:.0f} ms")
+    print(f"predicted all-reduce at N=2: {model.allreduce_s(2, cm['grad_bytes']) * 1e3:.2f} ms; "
+          f"predicted speedup {model.speedup(2, cm['compute_s'], cm['grad_bytes']):.2f}")
+for name in ("independent", "ddp_spawn", "ddp_no_buffer_broadcast", "ddp_bucketed", "ddp_naive"):
+    r = recs.get((name, 2))
+    if r and "speedup" in r:
+        extra = f", communication + waiting {1000 * r['comm_s']:.1f} ms/step" if "comm_s" in r else ""
+        print(f"measured {name:<24} speedup at N=2: {r['speedup']:.2f}{extra}")
+
+# %% [markdown]
+# `independent` runs N ranks that never talk: it is the ceiling this hardware allows. The gap
+# between it and ideal is the machine (two ranks on two cores share caches and memory bandwidth,
+# and anything else running on the box). The gap between `independent` and DDP is the price of
+# communication *and synchronization*: every all-reduce (and, with batch norm, the buffer
+# broadcast at every forward) makes the faster rank wait for the slower one.
+#
+# ## Projecting onto your cluster
+#
+# Change the bandwidth to your interconnect's. A tiny ConvNet has little compute per byte of
+# gradient, so it scales worst; a large model on NVLink scales close to ideal.
+
+# %%
+if cm:
+    ns = [1, 2, 4, 8, 16, 32, 64]
+    plt.figure(figsize=(6, 4))
+    plt.plot(ns, ns, "k:", label="ideal")
+    for name, gbps in INTERCONNECTS.items():
+        proj = RingModel(cm["alpha_s"], gbps * 1e9)
+        plt.plot(ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"]) for n in ns], "--",
+                 label=f"{name} ({gbps:g} GB/s)")
+    plt.plot(ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"]) for n in ns], "o-",
+             label="this machine (fitted)")
+    plt.xscale("log", base=2)
+    plt.yscale("log", base=2)
+    plt.xlabel("N")
+    plt.ylabel("predicted speedup")
+    plt.legend(fontsize=7)
+    plt.title("Cost model, same compute per rank")
+    plt.show()

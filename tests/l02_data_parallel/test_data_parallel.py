@@ -1,0 +1,469 @@
+"""Lesson 02: DataParallel by hand, nn.DataParallel training and checkpoints, the timing study.
+
+Every comparison is against a single model on the full batch, computed here with plain torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpt.checkpoint import CheckpointError
+from dpt.models import MLP, ConvNet
+from tests.helpers import one_line_error, requires_data, run_script
+from tests.l02_data_parallel import reference as ref
+from tests.lessons import load, script
+
+LESSON = "02_data_parallel"
+
+
+@pytest.fixture
+def dbh():
+    return load(LESSON, "dp_by_hand")
+
+
+@pytest.fixture
+def dp_mod():
+    return load(LESSON, "data_parallel")
+
+
+@pytest.fixture
+def timing():
+    return load(LESSON, "dp_timing")
+
+
+def _data(b, seed=0, image=True):
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, 1, 28, 28) if image else (b, 784)
+    return torch.randn(*shape, generator=g), torch.randint(0, 10, (b,), generator=g)
+
+
+def _model(kind, seed=0):
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "convnet": lambda: ConvNet(batch_norm=False)}[kind]()
+
+
+def _assert_same_grads(model, single):
+    for (name, p), q in zip(model.named_parameters(), single.parameters()):
+        assert p.grad is not None, f"{name}: no gradient reached the root model"
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _patch(monkeypatch, dbh, **keep):
+    """Reference versions of every primitive except those named in `keep`."""
+    for name in ("scatter", "replicate", "parallel_apply", "gather"):
+        if name not in keep:
+            monkeypatch.setattr(dbh, name, getattr(ref, name))
+
+
+# ------------------------------------------------------------------------------ 02.1 scatter
+
+
+@pytest.mark.task("02.1")
+@pytest.mark.parametrize("b,n,sizes", [(8, 2, [4, 4]), (7, 3, [3, 3, 1]), (10, 3, [4, 4, 2]),
+                                       (2, 3, [1, 1]), (5, 1, [5])])
+def test_scatter_splits_the_batch_dimension_and_keeps_every_sample(dbh, b, n, sizes):
+    x = torch.arange(b * 6, dtype=torch.float32).reshape(b, 2, 3)
+    chunks = dbh.scatter(x, n)
+    assert [c.shape[0] for c in chunks] == sizes, "chunk sizes: ceil(B/n), last one shorter"
+    for c in chunks:
+        assert c.shape[1:] == x.shape[1:], "split along dimension 0 (the batch), not another"
+    torch.testing.assert_close(torch.cat(chunks), x, msg="chunks must be in order, none lost")
+
+
+# ---------------------------------------------------------------------------- 02.2 replicate
+
+
+@pytest.mark.task("02.2")
+@pytest.mark.parametrize("n", [2, 3])
+def test_replicas_compute_what_the_root_computes_with_copies_of_its_weights(dbh, n):
+    model = _model("mlp")
+    x, _ = _data(5, image=False)
+    replicas = dbh.replicate(model, n)
+    assert len(replicas) == n
+    expected = model(x)
+    root_params = list(model.parameters())
+    for r in replicas:
+        assert r is not model and isinstance(r, type(model))
+        torch.testing.assert_close(r(x), expected)
+        rp = list(r.parameters())
+        assert len(rp) == len(root_params)
+        for p, q in zip(rp, root_params):
+            assert p is not q, "a replica holds copies, not the root's parameter objects"
+            assert p.grad_fn is not None, \
+                "replica weights must be Broadcast outputs, or no gradient reaches the root"
+            torch.testing.assert_close(p, q)
+    with torch.no_grad():
+        assert not dbh.replicate(model, n)[1](x).requires_grad
+
+
+class _Counting(nn.Module):
+    """State changed inside forward: a Python counter and an in-place buffer counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.python_calls = 0
+        self.register_buffer("buffer_calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.python_calls += 1  # rebinds an attribute of the replica object
+        self.buffer_calls += 1  # in place on the replica's buffer tensor
+        return self.lin(x)
+
+
+@pytest.mark.task("02.2")
+def test_caveat_state_changed_in_forward_on_replicas_is_lost(dbh):
+    """Seed 000's caveat: only in-place updates on replica 0 (sharing the root's buffers) stay."""
+    model = _Counting()
+    x = torch.randn(6, 4)
+    replicas = dbh.replicate(model, 3)
+    for r, c in zip(replicas, ref.scatter(x, 3)):
+        r(c)
+    assert model.python_calls == 0, "the replicas' counter changes never reach the root"
+    assert model.buffer_calls.item() == 1, \
+        "replica 0 shares the root's buffers (counts 1 call); the other replicas' copies are lost"
+    assert [r.buffer_calls.item() for r in replicas] == [1, 1, 1]
+
+
+@pytest.mark.task("02.2")
+def test_caveat_batch_norm_running_stats_come_from_replica_0_only(dbh):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3).train()
+    x = torch.randn(9, 3) * torch.tensor([1.0, 3.0, 0.5]) + torch.arange(9.0)[:, None]
+    chunks = ref.scatter(x, 3)
+    for r, c in zip(dbh.replicate(bn, 3), chunks):
+        r(c)
+    only_first, full = nn.BatchNorm1d(3).train(), nn.BatchNorm1d(3).train()
+    only_first(chunks[0])
+    full(x)
+    torch.testing.assert_close(bn.running_mean, only_first.running_mean)
+    torch.testing.assert_close(bn.running_var, only_first.running_var)
+    assert not torch.allclose(bn.running_mean, full.running_mean)
+    assert bn.num_batches_tracked.item() == 1
+
+
+@pytest.mark.task("02.2")
+def test_tied_weights_stay_tied_in_each_replica(dbh):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Tied()
+    for r in dbh.replicate(model, 2):
+        assert r.a.weight is r.b.weight
+        assert len(list(r.parameters())) == 2
+
+
+# -------------------------------------------------------------------- 02.3 gradients summed
+
+
+@pytest.mark.task("02.3")
+@pytest.mark.parametrize("n", [2, 3])
+def test_broadcast_backward_sums_the_replicas_gradients_onto_the_root(dbh, n):
+    w = torch.randn(3, requires_grad=True)
+    b = torch.randn(2, requires_grad=True)
+    copies = dbh.Broadcast.apply(n, w, b)
+    assert len(copies) == 2 * n
+    for r in range(n):
+        torch.testing.assert_close(copies[2 * r], w.detach())
+        torch.testing.assert_close(copies[2 * r + 1], b.detach())
+    loss = sum((r + 1) * copies[2 * r].sum() + (r + 2) * copies[2 * r + 1].sum() for r in range(n))
+    loss.backward()
+    total_w = sum(r + 1 for r in range(n))
+    torch.testing.assert_close(w.grad, torch.full((3,), float(total_w)),
+                               msg="w.grad must be the SUM of every replica's gradient")
+    torch.testing.assert_close(b.grad, torch.full((2,), float(sum(r + 2 for r in range(n)))))
+
+
+# ------------------------------------------------------------------------ 02.4 parallel apply
+
+
+class _Meet(nn.Module):
+    """Forward waits until every replica is inside forward: only passes if they run together."""
+
+    def __init__(self, barrier, scale):
+        super().__init__()
+        self.barrier, self.scale = barrier, scale
+
+    def forward(self, x):
+        self.thread = threading.get_ident()
+        self.barrier.wait(timeout=10)
+        self.grad_mode = torch.is_grad_enabled()
+        return x * self.scale
+
+
+@pytest.mark.task("02.4")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_parallel_apply_runs_replicas_at_once_and_keeps_the_order(dbh, n):
+    barrier = threading.Barrier(n)
+    replicas = [_Meet(barrier, k + 1.0) for k in range(n)]
+    inputs = [torch.full((2,), 10.0 * k) for k in range(n)]
+    try:
+        outs = dbh.parallel_apply(replicas, inputs)
+    except threading.BrokenBarrierError:
+        pytest.fail("replicas did not run concurrently (one thread per replica)")
+    for k, o in enumerate(outs):
+        torch.testing.assert_close(o, inputs[k] * (k + 1.0), msg="outputs must keep input order")
+    assert len({r.thread for r in replicas}) == n
+
+
+@pytest.mark.task("02.4")
+@pytest.mark.timeout(60)
+def test_parallel_apply_carries_grad_mode_into_the_threads_and_raises_errors(dbh):
+    lin = nn.Linear(3, 2)
+    xs = [torch.randn(2, 3), torch.randn(1, 3)]
+    assert all(o.requires_grad for o in dbh.parallel_apply([lin, lin], xs))
+    with torch.no_grad():
+        outs = dbh.parallel_apply([lin, lin], xs)
+    assert not any(o.requires_grad for o in outs), "torch.no_grad() must hold in the threads"
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("replica exploded")
+
+    with pytest.raises(RuntimeError, match="replica exploded"):
+        dbh.parallel_apply([lin, Boom()], xs)
+
+
+# -------------------------------------------------------------------------------- 02.5 gather
+
+
+@pytest.mark.task("02.5")
+def test_gather_concatenates_in_order_and_routes_gradients_back(dbh):
+    parts = [torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True),
+             torch.randn(1, 4, requires_grad=True)]
+    out = dbh.gather(parts)
+    torch.testing.assert_close(out, torch.cat([p.detach() for p in parts]))
+    weights = torch.arange(7.0)[:, None].expand(7, 4)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(parts[2].grad, torch.full((1, 4), 6.0))
+    torch.testing.assert_close(parts[0].grad, weights[:3])
+    assert dbh.gather(parts, "cpu").shape == (7, 4)
+
+
+# ---------------------------------------------------------------- 02.6 the whole DP forward
+
+
+@pytest.mark.task("02.6")
+@pytest.mark.parametrize("n,b", [(2, 7), (3, 7)])
+def test_forward_composes_the_four_steps(dbh, monkeypatch, n, b):
+    _patch(monkeypatch, dbh)
+    seen = []
+    monkeypatch.setattr(dbh, "parallel_apply",
+                        lambda reps, xs, devices=None: seen.append([len(x) for x in xs])
+                        or ref.parallel_apply(reps, xs))
+    model = _model("mlp")
+    single = copy.deepcopy(model)
+    x, y = _data(b, image=False)
+    out = dbh.DataParallelByHand(model, n_replicas=n)(x)
+    assert seen and len(seen[0]) == n and sum(seen[0]) == b, "forward must scatter into n chunks"
+    F.cross_entropy(out, y).backward()
+    F.cross_entropy(single(x), y).backward()
+    torch.testing.assert_close(out, single(x))
+    _assert_same_grads(model, single)
+
+
+@pytest.mark.task("02.6")
+@pytest.mark.parametrize("kind", ["mlp", "convnet"])
+@pytest.mark.parametrize("n,b", [(2, 8), (2, 7), (3, 7), (3, 10), (3, 2)])
+def test_outputs_and_gradients_equal_a_single_model_on_the_full_batch(dbh, kind, n, b):
+    model = _model(kind)
+    single = copy.deepcopy(model)
+    x, y = _data(b, image=kind == "convnet")
+    dp = dbh.DataParallelByHand(model, n_replicas=n)
+    assert dp.module is model
+    out = dp(x)
+    expected = single(x)
+    assert out.shape == expected.shape, "every sample's output, including the short last chunk"
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    F.cross_entropy(out, y).backward()
+    F.cross_entropy(expected, y).backward()
+    _assert_same_grads(model, single)
+
+
+@pytest.mark.task("02.6")
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_steps_equal_single_device_training(dbh, n):
+    model = _model("convnet", seed=1)
+    single = copy.deepcopy(model)
+    dp = dbh.DataParallelByHand(model, n_replicas=n)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
+    for step, b in enumerate([16, 16, 11, 16, 5]):  # uneven batches too
+        x, y = _data(b, seed=step)
+        for m, o in ((dp, opt), (single, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), single.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.task("02.6")
+def test_eval_mode_batch_norm_model_matches_and_no_grad_builds_no_graph(dbh):
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    x, _ = _data(9)
+    with torch.no_grad():
+        out = dbh.DataParallelByHand(model, n_replicas=3)(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------- 02.7 / 02.8 nn.DataParallel training
+
+
+@pytest.mark.task("02.7")
+def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
+    model = _model("convnet")
+    single = copy.deepcopy(model)
+    dp, root = dp_mod.wrap(model)
+    assert isinstance(dp, nn.DataParallel) and dp.module is model
+    expected_root = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
+    assert root.type == expected_root
+    assert next(model.parameters()).device.type == expected_root
+    opt = torch.optim.SGD(dp.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(single.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = _data(6, seed=step)
+        dp_mod.train_step(dp, (x, y), opt, root)
+        ref_opt.zero_grad()
+        F.cross_entropy(single(x), y).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), single.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6)
+
+
+def test_explain_devices_says_what_dataparallel_does_here(dp_mod):
+    text = dp_mod.explain_devices()
+    if dp_mod.gpu_count() == 0:
+        assert "just calls" in text
+    assert len(text) > 40
+
+
+@pytest.mark.task("02.8")
+def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_path):
+    model = _model("convnet")
+    dp = nn.DataParallel(model)
+    path = dp_mod.save_plain(dp, tmp_path / "dp.pt", epoch=3)
+    raw = torch.load(path, weights_only=True)
+    assert raw["epoch"] == 3
+    assert not any(k.startswith("module.") for k in raw["model"]), "save dp.module's weights"
+    plain = ConvNet(batch_norm=False)
+    state = dp_mod.load_plain(path, plain)
+    assert state["epoch"] == 3
+    for p, q in zip(plain.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q)
+    wrapped = nn.DataParallel(ConvNet(batch_norm=False))
+    dp_mod.load_plain(path, wrapped)
+    torch.testing.assert_close(wrapped.module.fc.weight, model.fc.weight)
+    with pytest.raises(CheckpointError):
+        dp_mod.load_plain(tmp_path / "missing.pt", plain)
+
+
+@requires_data
+@pytest.mark.slow
+@pytest.mark.task("02.7")
+@pytest.mark.timeout(120)
+def test_training_script_runs_explains_itself_and_reloads(tmp_path):
+    proc = run_script(script(LESSON, "data_parallel.py"), "--model", "convnet",
+                      "--limit-batches", "15", "--no-progress", "--checkpoint",
+                      str(tmp_path / "dp.pt"), timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "just calls the wrapped module" in proc.stdout
+    assert "reloaded into a plain convnet" in proc.stdout
+    assert (tmp_path / "dp.pt").is_file()
+
+
+def test_training_script_bad_input_is_one_clear_line():
+    proc = run_script(script(LESSON, "data_parallel.py"), "--device-ids", "7", timeout=60)
+    assert "GPU" in one_line_error(proc)
+
+
+@pytest.mark.parametrize("args,needle", [(["--batch-size", "0"], "batch"),
+                                         (["--device-ids", "a,b"], "device-ids"),
+                                         (["--checkpoint", "/no/such/dir/x.pt"], "folder")])
+def test_training_cli_rejects_bad_input_with_one_line(dp_mod, capsys, args, needle):
+    assert dp_mod.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+# -------------------------------------------------------------------------- 02.9 the timing
+
+
+class _AsyncDevice:
+    """Forward only queues work (like a GPU); synchronize() is when it is paid for."""
+
+    def __init__(self, costs):
+        self.costs, self.calls, self.pending = costs, 0, 0.0
+        self.grad_modes = []
+
+    def model(self, x):
+        self.grad_modes.append(torch.is_grad_enabled())
+        self.pending += self.costs[self.calls] if self.calls < len(self.costs) else 0.02
+        self.calls += 1
+        return x
+
+    def synchronize(self, device):
+        time.sleep(self.pending)
+        self.pending = 0.0
+
+
+@pytest.mark.task("02.9")
+@pytest.mark.timeout(60)
+def test_timing_warms_up_synchronizes_and_takes_the_median(timing, monkeypatch):
+    # 3 slow warm-up calls, then 5 timed ones of 20 ms, one of them a 500 ms outlier.
+    fake = _AsyncDevice([0.2, 0.2, 0.2, 0.02, 0.02, 0.5, 0.02, 0.02])
+    monkeypatch.setattr(timing, "synchronize", fake.synchronize)
+    secs = timing.time_forward(fake.model, torch.zeros(1), "cpu", warmup=3, repeats=5)
+    assert fake.calls == 8, "warmup + repeats calls of the model"
+    assert secs >= 0.015, "the clock was read before synchronize(device): queued work missed"
+    assert secs < 0.08, "warm-up calls were timed, or the mean was taken instead of the median"
+    assert not any(fake.grad_modes), "inference is timed under torch.no_grad()"
+
+
+@pytest.mark.slow
+@pytest.mark.task("02.9")
+@pytest.mark.timeout(120)
+def test_timing_script_writes_json_and_plot(tmp_path):
+    out = tmp_path / "t"
+    proc = run_script(script(LESSON, "dp_timing.py"), "--batch-sizes", "2,8", "--devices", "2",
+                      "--repeats", "2", "--warmup", "1", "--model", "mlp", "--out", str(out),
+                      timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["batch_sizes"] == [2, 8] and len(result["lines"]) >= 2
+    for secs in result["lines"].values():
+        assert len(secs) == 2 and all(s > 0 for s in secs)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timing_script_bad_input_is_one_clear_line():
+    proc = run_script(script(LESSON, "dp_timing.py"), "--devices", "0", timeout=60)
+    assert "devices" in one_line_error(proc)
+
+
+@pytest.mark.parametrize("args,needle", [(["--batch-sizes", "x"], "batch-sizes"),
+                                         (["--batch-sizes", "0,4"], "positive"),
+                                         (["--repeats", "0"], "repeats")])
+def test_timing_cli_rejects_bad_input_with_one_line(timing, capsys, args, needle):
+    assert timing.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]

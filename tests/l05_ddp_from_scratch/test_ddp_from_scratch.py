@@ -1,0 +1,252 @@
+"""Lesson 05: collectives, a ring all-reduce, and three hand-written DDPs against the truth.
+
+The truth is a single process trained on the whole global batch, and torch's own DDP trained
+the same way. Ranks start from *different* weights and buffers (seeded by rank), so a wrapper
+that skips the initial broadcast cannot pass. Graded tests replace every other task of the
+variant with a reference part (see rank_fns.py); the ungraded ones at the end run the lesson
+code as it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpt.testing import run_distributed
+from tests.helpers import one_line_error, run_script
+from tests.lessons import load, script
+
+from . import rank_fns as rf
+
+LESSON = "05_ddp_from_scratch"
+STEPS = 3
+TINY_MB = 1e-9        # smaller than any parameter: one parameter per bucket
+HUGE_MB = 1000.0      # larger than the model: one bucket
+PARTIAL_MB = 600 / 2**20  # ToyNet in float64: several buckets, the last one not full
+
+
+def _check_against_truth(results, model_name="toy"):
+    expected = rf.train_single(model_name, STEPS)
+    for rank, out in enumerate(results):
+        assert out["state"].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(out["state"][key], value, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
+            if "torch_state" in out:
+                torch.testing.assert_close(out["state"][key], out["torch_state"][key],
+                                           rtol=1e-9, atol=1e-10,
+                                           msg=lambda m, k=key, r=rank: f"vs torch DDP, rank {r}, {k}: {m}")
+
+
+def _train(variant, task, **kw):
+    return run_distributed(rf.train_rank, world_size=2, args=(variant,), kwargs=dict(task=task, **kw),
+                           timeout=60)
+
+
+# --------------------------------------------------------------------------- collectives
+def test_each_collective_returns_what_it_must():
+    results = run_distributed(rf.collectives_rank, world_size=2, timeout=30)
+    for key in ("broadcast", "all_reduce", "all_gather"):
+        assert results[0][key] == results[1][key], key
+    assert [r["reduce_scatter"] for r in results] == [[1.0], [3.0]]
+    assert results[0]["all_gather"] == [[0.0, 0.0], [1.0, 10.0]]
+
+
+@pytest.mark.task("05.1")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_all_reduce_equals_dist_all_reduce(world_size):
+    shapes = [(1,), (2,), (7,), (3, 5), (1000,), (4, 4, 4)]
+    for rank_result in run_distributed(rf.ring_rank, world_size=world_size, args=(shapes,),
+                                       timeout=40):
+        for shape, (value_ok, in_place_ok, same_tensor) in zip(shapes + ["view"], rank_result):
+            assert value_ok, f"ring all-reduce of {shape} differs from dist.all_reduce"
+            assert in_place_ok and same_tensor, f"{shape}: the input tensor must hold the sum"
+
+
+def test_ring_model_fit_recovers_a_known_bandwidth():
+    col = load(LESSON, "collectives")
+    sizes = [2**k for k in range(10, 27, 2)]
+    times = [5e-5 + 2 * (4 - 1) / 4 * s / 3e9 for s in sizes]
+    fit = col.fit_ring_model(sizes, times, 4)
+    assert fit["bandwidth_Bps"] == pytest.approx(3e9, rel=1e-6)
+    assert fit["alpha_s"] == pytest.approx(5e-5, rel=1e-6)
+
+
+def test_timing_script_refuses_bad_input_in_one_line():
+    proc = run_script(script(LESSON, "collectives.py"), "--world-size", "1", timeout=60)
+    assert "world-size" in one_line_error(proc)
+
+
+# --------------------------------------------------------------------------- naive DDP
+@pytest.mark.task("05.2")
+@pytest.mark.parametrize("model_name", ["toy", "tied_emb"])
+def test_naive_broadcasts_rank0_parameters_and_buffers(model_name):
+    results = _train("naive", "05.2", model_name=model_name)
+    _check_against_truth(results, model_name)
+
+
+@pytest.mark.task("05.3")
+@pytest.mark.parametrize("model_name", ["toy", "tied_emb"])
+def test_naive_matches_single_process_and_torch_ddp(model_name):
+    _check_against_truth(_train("naive", "05.3", model_name=model_name,
+                                with_torch=model_name == "toy"), model_name)
+
+
+@pytest.mark.task("05.3")
+def test_naive_reduces_each_trainable_gradient_once():
+    """Frozen parameters are not sent; a tied parameter is sent once."""
+    results = _train("naive", "05.3", with_torch=False, steps=1)
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+
+
+@pytest.mark.task("05.3")
+def test_naive_with_an_unused_parameter_works_or_raises_clearly():
+    for status, detail in run_distributed(rf.unused_rank, world_size=2, args=("naive", "05.3"),
+                                          timeout=30):
+        assert status == "ok" or "unused" in detail.lower() or "gradient" in detail.lower()
+        if status == "ok":
+            assert detail, "an unused parameter changed"
+
+
+@pytest.mark.task("05.9")
+def test_no_sync_accumulation_equals_one_big_batch():
+    results = _train("naive", "05.9", accumulate=2)
+    _check_against_truth(results)
+
+
+# --------------------------------------------------------------------------- overlap DDP
+@pytest.mark.task("05.4")
+@pytest.mark.parametrize("model_name", ["toy", "tied_emb"])
+def test_overlap_matches_single_process_and_torch_ddp(model_name):
+    _check_against_truth(_train("overlap", "05.4", model_name=model_name,
+                                with_torch=model_name == "toy"), model_name)
+
+
+@pytest.mark.task("05.4")
+def test_overlap_hooks_reduce_each_trainable_gradient_once():
+    results = _train("overlap", "05.4", with_torch=False, steps=1)
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+
+
+@pytest.mark.task("05.4")
+def test_overlap_hooks_respect_no_sync():
+    _check_against_truth(_train("overlap", "05.4", accumulate=2))
+
+
+@pytest.mark.task("05.5")
+def test_overlap_waits_before_the_step_on_a_slow_network():
+    """All-reduces that only complete at wait(): a finish that does not wait cannot pass."""
+    _check_against_truth(_train("overlap", "05.5", lazy=True))
+
+
+@pytest.mark.task("05.5")
+def test_overlap_matches_single_process_with_its_own_finish():
+    _check_against_truth(_train("overlap", "05.5", model_name="tied_emb"), "tied_emb")
+
+
+@pytest.mark.task("05.5")
+def test_overlap_unused_parameter_raises_clearly_not_hangs():
+    for status, detail in run_distributed(rf.unused_rank, world_size=2,
+                                          args=("overlap", "05.5"), timeout=30):
+        assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
+        assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
+
+
+# --------------------------------------------------------------------------- bucketed DDP
+def _params(*numels, dtype=torch.float32):
+    return [torch.zeros(n, dtype=dtype) for n in numels]
+
+
+@pytest.mark.task("05.6")
+def test_buckets_one_when_the_cap_exceeds_the_model():
+    bd = load(LESSON, "bucketed_ddp")
+    assert bd.assign_buckets(_params(10, 20, 30, 40), bucket_cap_mb=1.0) == [[3, 2, 1, 0]]
+
+
+@pytest.mark.task("05.6")
+def test_buckets_two_in_reverse_registration_order():
+    bd = load(LESSON, "bucketed_ddp")
+    cap = 8 * 4 / 2**20  # exactly two 4-element float32 tensors
+    assert bd.assign_buckets(_params(4, 4, 4, 4), cap) == [[3, 2], [1, 0]]
+
+
+@pytest.mark.task("05.6")
+def test_buckets_several_with_a_partial_last_one():
+    bd = load(LESSON, "bucketed_ddp")
+    cap = 3 * 4 * 4 / 2**20  # three 4-element float32 tensors
+    assert bd.assign_buckets(_params(4, 4, 4, 4, 4, 4, 4), cap) == [[6, 5, 4], [3, 2, 1], [0]]
+    # a tensor larger than the cap gets a bucket of its own, and sizes are in bytes
+    assert bd.assign_buckets(_params(2, 100, 2, 2), 16 / 2**20) == [[3, 2], [1], [0]]
+    assert bd.assign_buckets(_params(2, 2, dtype=torch.float64), 16 / 2**20) == [[1], [0]]
+
+
+@pytest.mark.task("05.6")
+def test_buckets_one_parameter_each_when_the_cap_is_tiny():
+    bd = load(LESSON, "bucketed_ddp")
+    assert bd.assign_buckets(_params(3, 1, 2), TINY_MB) == [[2], [1], [0]]
+
+
+@pytest.mark.task("05.6")
+def test_bucketed_wrapper_buckets_hold_trainable_parameters_once():
+    results = _train("bucketed", "05.6", bucket_cap_mb=HUGE_MB, with_torch=False, steps=1)
+    trainable = [n for n, p in rf.ToyNet().named_parameters() if p.requires_grad]
+    assert results[0]["buckets"] == [trainable[::-1]]
+    tiny = _train("bucketed", "05.6", bucket_cap_mb=TINY_MB, with_torch=False, steps=1)
+    assert tiny[0]["buckets"] == [[n] for n in trainable[::-1]]
+
+
+@pytest.mark.task("05.7")
+@pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
+def test_bucketed_matches_single_process_and_torch_ddp(cap):
+    _check_against_truth(_train("bucketed", "05.7", bucket_cap_mb=cap,
+                                with_torch=cap == PARTIAL_MB))
+
+
+@pytest.mark.task("05.7")
+def test_bucketed_tied_embedding_model():
+    _check_against_truth(_train("bucketed", "05.7", model_name="tied_emb",
+                                bucket_cap_mb=PARTIAL_MB), "tied_emb")
+
+
+@pytest.mark.task("05.7")
+@pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
+def test_bucketed_reduces_every_trainable_gradient_once(cap):
+    results = _train("bucketed", "05.7", bucket_cap_mb=cap, with_torch=False, steps=1)
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+
+
+@pytest.mark.task("05.7")
+def test_bucketed_hooks_respect_no_sync():
+    _check_against_truth(_train("bucketed", "05.7", accumulate=2, bucket_cap_mb=PARTIAL_MB))
+
+
+@pytest.mark.task("05.8")
+@pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
+def test_bucketed_waits_and_unflattens_on_a_slow_network(cap):
+    _check_against_truth(_train("bucketed", "05.8", bucket_cap_mb=cap, lazy=True))
+
+
+@pytest.mark.task("05.8")
+def test_bucketed_unused_parameter_raises_clearly_not_hangs():
+    for status, detail in run_distributed(rf.unused_rank, world_size=2,
+                                          args=("bucketed", "05.8"), timeout=30):
+        assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
+        assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
+
+
+# --------------------------------------------------------------------------- the lesson as is
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,kw", [
+    ("naive", {}), ("overlap", {"lazy": True}), ("bucketed", {"bucket_cap_mb": PARTIAL_MB}),
+    ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "accumulate": 2})])
+def test_unpatched_lesson_code_matches_single_process_and_torch_ddp(variant, kw):
+    _check_against_truth(run_distributed(rf.train_rank, world_size=2, args=(variant,),
+                                         kwargs=dict(kw, with_torch=True), timeout=60))
+
+
+def test_wrappers_mirror_torch_ddp_interface():
+    for mod, cls in (("naive_ddp", "NaiveDDP"), ("overlap_ddp", "OverlapDDP"),
+                     ("bucketed_ddp", "BucketedDDP")):
+        klass = getattr(load(LESSON, mod), cls)
+        for attr in ("forward", "no_sync", "finish_gradient_synchronization"):
+            assert callable(getattr(klass, attr)), f"{cls}.{attr}"

@@ -1,0 +1,53 @@
+"""Rank functions for lesson 06's multi-process tests (importable, so ranks can run them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dpt.models import ConvNet
+
+
+def _batch(rank: int, step: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def hook_under_bf16(rank: int, world_size: int) -> dict:
+    """DDP + bf16 autocast with the lesson's recording hook, written without the lesson's
+    train step (so this tests task 06.3 alone). Returns the recorded dtypes, this rank's
+    local gradients (from an unwrapped copy), the DDP gradients and the final parameters."""
+    import ddp_amp  # the lesson module, from the tree under test
+
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    local = ConvNet(batch_norm=False)
+    local.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    recorder = ddp_amp.DtypeRecorder()
+    ddp.register_comm_hook(recorder, ddp_amp.recording_allreduce_hook)
+    x, y = _batch(rank, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(ddp(x), y)
+        local_loss = F.cross_entropy(local(x), y)
+    loss.backward()
+    local_loss.backward()
+    flat = lambda ps: torch.cat([p.flatten() for p in ps])  # noqa: E731
+    out = {"dtypes": sorted({str(d) for d in recorder.dtypes}),
+           "n_buckets": len(recorder.dtypes),
+           "ddp_grads": flat(p.grad for p in model.parameters()),
+           "local_grads": flat(p.grad for p in local.parameters()),
+           "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
+    dist.barrier()
+    return out
+
+
+def lesson_train_ddp(rank: int, world_size: int, precision: str) -> dict:
+    """The lesson's own DDP training function, a few small steps on synthetic data."""
+    import ddp_amp
+
+    out = ddp_amp.train_ddp(rank, world_size, precision=precision, steps=3, batch_size=8)
+    out.pop("casts")
+    return out

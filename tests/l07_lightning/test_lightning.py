@@ -1,0 +1,433 @@
+"""Lesson 07: Lightning 2.x module and datamodule, strategies on 2 CPU processes, migrations.
+
+Lightning's ``ddp`` strategy re-runs the script it was started from, so every multi-process
+run here is a subprocess of a lesson script with a timeout, never a Trainer inside pytest.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from tests.helpers import one_line_error, requires_data, run_script
+from tests.lessons import load, script
+
+LESSON = "07_lightning"
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+             enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0)
+# The shapes the strategy runs use: 512 train samples, 256 validation samples.
+TRAIN_N, VAL_N, PER_RANK_BATCH, SEED = 512, 256, 32, 1
+
+
+@pytest.fixture(scope="module")
+def lf():
+    return load(LESSON, "lit_fashion")
+
+
+@pytest.fixture(scope="module")
+def mig():
+    return load(LESSON, "lit_migration")
+
+
+def _synthetic(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _trainer(**kwargs):
+    import pytorch_lightning as pl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pl.Trainer(**{**QUIET, "devices": 1, **kwargs})
+
+
+def _whole_set(module, dataset):
+    """Accuracy and mean loss of ``module`` over every sample, with plain torch."""
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    y = torch.stack([dataset[i][1] for i in range(len(dataset))])
+    module.eval()
+    with torch.no_grad():
+        logits = module(x)
+    return (logits.argmax(1) == y).float().mean().item(), F.cross_entropy(logits, y).item(), \
+        logits, y
+
+
+# ------------------------------------------------------------------------ 07.1 / 07.2
+
+
+@pytest.mark.task("07.1")
+def test_training_step_returns_the_cross_entropy_and_logs_it(lf):
+    torch.manual_seed(0)
+    model = lf.LitClassifier()
+    x, y = _synthetic(16)
+    logged = {}
+    model.log = lambda name, value, **kw: logged.__setitem__(name, (value, kw))
+    loss = model.training_step((x, y), 0)
+    assert torch.is_tensor(loss) and loss.requires_grad, "return the loss tensor, with its graph"
+    torch.testing.assert_close(loss, F.cross_entropy(model(x), y))
+    assert "train_loss" in logged, "log the training loss as 'train_loss'"
+
+
+@pytest.mark.task("07.1")
+def test_a_short_fit_lowers_the_loss(lf):
+    import pytorch_lightning as pl
+
+    pl.seed_everything(0, verbose=False)
+    model = lf.LitClassifier(learning_rate=1e-2)
+    x, y = _synthetic(64)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    before = F.cross_entropy(model(x), y).item()
+    _trainer(max_epochs=5).fit(model, loader)
+    assert F.cross_entropy(model(x), y).item() < before
+
+
+@pytest.mark.task("07.2")
+def test_validation_logs_a_synced_loss_and_the_metric_object(lf):
+    """The bug this catches: ``self.log("val_loss", loss)`` without ``sync_dist=True`` logs,
+    under ddp, the mean of rank 0's batches only. The accuracy must be the torchmetrics
+    object (synced by its compute) or a tensor logged with sync_dist=True."""
+    from torchmetrics import Metric
+
+    model = lf.LitClassifier()
+    calls = {}
+    model.log = lambda name, value, **kw: calls.__setitem__(name, (value, kw))
+    model.validation_step(_synthetic(8), 0)
+    assert {"val_acc", "val_loss"} <= set(calls), f"logged only {sorted(calls)}"
+    value, kw = calls["val_loss"]
+    assert kw.get("sync_dist") is True, "val_loss is a plain tensor: log it with sync_dist=True"
+    value, kw = calls["val_acc"]
+    assert isinstance(value, Metric) or kw.get("sync_dist") is True, (
+        "log the Metric object itself (Lightning syncs it) or a synced tensor")
+
+
+@pytest.mark.task("07.2")
+def test_logged_validation_metrics_cover_the_whole_set_on_one_device(lf):
+    model = lf.LitClassifier()
+    x, y = _synthetic(96, seed=3)
+    ds = TensorDataset(x, y)
+    metrics = _trainer().validate(model, DataLoader(ds, batch_size=32), verbose=False)[0]
+    acc, loss, _, _ = _whole_set(model, ds)
+    assert metrics["val_acc"] == pytest.approx(acc, abs=1e-6)
+    assert metrics["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+# ------------------------------------------------------------------ 07.3 prepare vs setup
+
+
+@requires_data
+@pytest.mark.task("07.3")
+def test_setup_never_downloads_and_prepare_data_does(lf, monkeypatch):
+    """The bug this catches: a DataModule that downloads in ``setup``, i.e. on every rank."""
+    import dpt.data
+
+    calls = []
+    real = dpt.data.prepare
+    monkeypatch.setattr(dpt.data, "prepare",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError(
+                            "setup() called dpt.data.prepare: setup runs on EVERY rank, "
+                            "download in prepare_data")))
+    dm = lf.FashionDataModule(val_size=1000, verbose=False)
+    dm.setup("fit")
+    assert len(dm.train_set) + len(dm.val_set) == 60000 and len(dm.val_set) == 1000
+    monkeypatch.setattr(dpt.data, "prepare", lambda *a, **k: calls.append(a) or real(*a, **k))
+    dm.prepare_data()
+    assert len(calls) == 1, "prepare_data must make sure the files are there"
+
+
+@requires_data
+@pytest.mark.task("07.3")
+def test_every_rank_builds_the_same_split_and_train_val_do_not_overlap(lf):
+    a = lf.FashionDataModule(val_size=500, verbose=False)
+    b = lf.FashionDataModule(val_size=500, verbose=False)  # "another rank"
+    a.setup("fit")
+    b.setup("fit")
+    assert list(a.val_set.indices) == list(b.val_set.indices), "ranks split differently"
+    assert not set(a.val_set.indices) & set(a.train_set.indices)
+
+
+@requires_data
+def test_the_datamodule_makes_no_distributed_sampler_of_its_own(lf):
+    dm = lf.FashionDataModule(train_limit=64, val_limit=32, verbose=False)
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        assert not isinstance(loader.sampler, DistributedSampler), "Lightning adds it"
+
+
+# ------------------------------------------------------------------ 07.4 portable habits
+
+
+@pytest.mark.task("07.4")
+def test_new_tensors_follow_the_module_device_and_input_dtype(lf):
+    model = lf.LitClassifier(noise_std=0.5).train()
+    x = torch.zeros(4, 1, 28, 28, dtype=torch.float64)
+    out = model.double().add_noise(x)
+    assert out.dtype == torch.float64 and out.std() > 0.1
+    # The meta device stands in for a GPU: a tensor made without device= lands on the CPU,
+    # and adding it to a meta tensor fails or leaves the CPU device behind.
+    model = lf.LitClassifier(noise_std=0.5).train().to("meta")
+    assert model.device.type == "meta"
+    out = model.add_noise(torch.zeros(4, 1, 28, 28, device="meta"))
+    assert out.device.type == "meta"
+    model.eval()
+    x = torch.ones(2, 3)
+    assert model.add_noise(x) is x, "no noise in evaluation"
+
+
+def test_no_cuda_or_to_calls_inside_the_module(lf):
+    source = inspect.getsource(lf.LitClassifier)
+    code = "\n".join(line.split("#")[0] for line in source.splitlines())
+    assert not re.search(r"\.cuda\(|\.to\(", code), "let Lightning move the module and batches"
+
+
+# ------------------------------------------------------------------ 07.5 Fabric
+
+
+@pytest.mark.task("07.5")
+def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
+    from lightning_fabric import Fabric
+
+    fd = load(LESSON, "fabric_ddp")
+    from dpt.models import MLP
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    x, y = _synthetic(48)
+    loader = fd.fabric_loader(fabric, TensorDataset(x, y), 16)
+    batches = list(loader)
+    assert [len(b[1]) for b in batches] == [16, 16, 16]
+    assert sorted(torch.cat([b[1] for b in batches]).tolist()) == sorted(y.tolist())
+    torch.manual_seed(0)
+    model = MLP(16)
+    ref = MLP(16)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model_f, opt_f = fabric.setup(model, opt)
+    losses = fd.fabric_epoch(fabric, model_f, opt_f, batches)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for bx, by in batches:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(bx), by).backward()
+        ref_opt.step()
+    assert len(losses) == 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@requires_data
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.task("07.5")
+def test_fabric_trains_on_two_cpu_processes():
+    proc = run_script(script(LESSON, "fabric_ddp.py"), "--devices", "2", "--limit", "512",
+                      "--batch-size", "64", timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["world_size"] == 2 and r["steps"] == 512 // 2 // 64 for r in results)
+    assert results[0]["param_checksum"] == pytest.approx(results[1]["param_checksum"], abs=1e-6), \
+        "the two ranks' models differ: gradients were not all-reduced"
+    assert results[0]["first_loss"] != results[1]["first_loss"], "both ranks saw the same data"
+
+
+# ------------------------------------------------------------------ strategies, 2 processes
+
+
+def _reference_single_device(lf, dm_kwargs):
+    """The single-device run over the same samples in the same order.
+
+    Lightning's injected DistributedSampler ALWAYS shuffles training data (seeded by
+    PL_GLOBAL_SEED), whatever the DataLoader says. With one replica it yields the whole
+    permutation; two ranks take its even and odd positions. So one process with a batch of
+    2 x 32 sees, at every step, exactly the union of what the two ranks see.
+    """
+    import pytorch_lightning as pl
+
+    class SameOrder(lf.FashionDataModule):
+        def train_dataloader(self):
+            sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0,
+                                         shuffle=True, seed=SEED)
+            return DataLoader(self.train_set, batch_size=2 * PER_RANK_BATCH, sampler=sampler)
+
+    pl.seed_everything(SEED, verbose=False)
+    dm = SameOrder(batch_size=2 * PER_RANK_BATCH, verbose=False, **dm_kwargs)
+    model = lf.LitClassifier()
+    _trainer(max_epochs=1).fit(model, datamodule=dm)
+    return model, dm
+
+
+@pytest.fixture(scope="module")
+def reference(lf):
+    return _reference_single_device(lf, dict(train_limit=TRAIN_N, val_limit=VAL_N, seed=SEED))
+
+
+def _run_strategy(strategy, ckpt):
+    proc = run_script(script(LESSON, "lit_train.py"), "--devices", "2", "--strategy", strategy,
+                      "--batch-size", str(PER_RANK_BATCH), "--train-limit", str(TRAIN_N),
+                      "--val-limit", str(VAL_N), "--seed", str(SEED), "--ckpt", str(ckpt),
+                      timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, "rank 0 alone prints the result"
+    return json.loads(lines[0][7:]), proc.stdout
+
+
+@requires_data
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.task("07.2")
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_notebook"])
+def test_strategy_matches_single_device_and_logs_whole_set_metrics(lf, reference, strategy,
+                                                                    tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    result, stdout = _run_strategy(strategy, ckpt)
+    assert result["world_size"] == 2
+
+    # Lightning gave each rank a DistributedSampler over half of the 512 samples.
+    samplers = re.findall(r"\[rank (\d)\] train sampler=(\w+) samples=(\d+)", stdout)
+    assert sorted(samplers) == [("0", "DistributedSampler", str(TRAIN_N // 2)),
+                                ("1", "DistributedSampler", str(TRAIN_N // 2))]
+    # prepare_data ran once (local rank 0); setup ran on both ranks.
+    assert stdout.count("] prepare_data") == 1, stdout
+    assert len(re.findall(r"\] setup\(fit\)", stdout)) == 2, stdout
+
+    # The checkpoint reloads into a fresh module ...
+    fresh = lf.LitClassifier.load_from_checkpoint(ckpt, map_location="cpu")
+    ref_model, dm = reference
+    # ... and holds the same weights as the single-device run over the same data.
+    for (name, p), q in zip(fresh.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=f"{name} differs")
+    train_x = torch.stack([dm.train_set[i][0] for i in range(len(dm.train_set))])
+    train_y = torch.stack([dm.train_set[i][1] for i in range(len(dm.train_set))])
+    with torch.no_grad():
+        loss = F.cross_entropy(fresh(train_x), train_y).item()
+        ref_loss = F.cross_entropy(ref_model(train_x), train_y).item()
+    assert loss == pytest.approx(ref_loss, rel=1e-4)
+
+    # Logged validation metrics are the whole validation set's, not rank 0's half.
+    acc, vloss, logits, y = _whole_set(fresh, dm.val_set)
+    rank0 = torch.arange(0, VAL_N, 2)  # DistributedSampler(shuffle=False): even positions
+    acc0 = (logits[rank0].argmax(1) == y[rank0]).float().mean().item()
+    loss0 = F.cross_entropy(logits[rank0], y[rank0]).item()
+    assert acc0 != pytest.approx(acc, abs=1e-6) and loss0 != pytest.approx(vloss, rel=1e-4), \
+        "test data cannot tell the halves apart"
+    assert result["val_acc"] == pytest.approx(acc, abs=1e-6), "val_acc is one rank's, not all"
+    assert result["val_loss"] == pytest.approx(vloss, rel=1e-4), "val_loss is one rank's"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--strategy", "fsdp", "--devices", "2"], "GPU-only"),
+    (["--strategy", "deepspeed"], "GPU-only"),
+    (["--precision", "16-mixed"], "16-mixed"),
+    (["--accelerator", "gpu"], "no"),
+    (["--devices", "0"], "at least 1"),
+])
+@pytest.mark.timeout(60)
+def test_gpu_only_choices_stop_on_cpu_with_one_clear_line(args, needle):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_script(script(LESSON, "lit_train.py"), *args, timeout=50)
+    assert needle in one_line_error(proc)
+
+
+@requires_data
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_bf16_mixed_precision_trains_on_cpu():
+    proc = run_script(script(LESSON, "lit_train.py"), "--precision", "bf16-mixed",
+                      "--train-limit", "256", "--val-limit", "64", "--batch-size", "32",
+                      timeout=80)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(next(ln for ln in proc.stdout.splitlines()
+                             if ln.startswith("RESULT "))[7:])
+    assert result["precision"] == "bf16-mixed" and 0 < result["val_loss"] < 3
+
+
+# ------------------------------------------------------------------ 07.6 migrations
+
+
+@pytest.mark.task("07.6")
+@pytest.mark.parametrize("old,new", [
+    ({"gpus": 2}, {"accelerator": "gpu", "devices": 2}),
+    ({"gpus": 2, "accelerator": "dp"}, {"accelerator": "gpu", "devices": 2, "strategy": "ddp"}),
+    ({"distributed_backend": "ddp", "gpus": 8, "num_nodes": 4},
+     {"accelerator": "gpu", "devices": 8, "strategy": "ddp", "num_nodes": 4}),
+    ({"strategy": "dp"}, {"strategy": "ddp"}),
+    ({"strategy": "ddp2"}, {"strategy": "ddp"}),
+    ({"weights_summary": None, "max_epochs": 1}, {"enable_model_summary": False, "max_epochs": 1}),
+])
+def test_migrate_trainer_kwargs(mig, old, new):
+    assert mig.migrate_trainer_kwargs(old, cuda=True) == new
+
+
+@pytest.mark.task("07.6")
+def test_ddp_sharded_becomes_fsdp_on_gpus_and_ddp_on_cpu(mig):
+    assert mig.migrate_trainer_kwargs({"strategy": "ddp_sharded"}, cuda=True) == {"strategy": "fsdp"}
+    assert mig.migrate_trainer_kwargs({"strategy": "ddp_sharded"}, cuda=False) == {"strategy": "ddp"}
+
+
+def _readme_row(old_api):
+    readme = script(LESSON, "README.md").read_text()
+    rows = [ln for ln in readme.splitlines() if ln.startswith(f"| `{old_api}` |")]
+    assert len(rows) == 1, f"README has no single migration row for {old_api}"
+    return rows[0]
+
+
+def _check_row(mig, index):
+    row = mig.ROWS[index]
+    outcome, new_result = mig.run_row(row)
+    assert not outcome.startswith("runs:") or "called 0 times" in outcome, outcome
+    # The README quotes what this Lightning install says today.
+    assert mig.first_sentence(outcome) in _readme_row(row.old_api), (
+        f"README row is stale; Lightning 2.x now says: {outcome}")
+    assert new_result is not None
+    return outcome, new_result
+
+
+MIGRATING = [i for i, name in enumerate(["gpus", "dp-acc", "dp", "backend", "ddp2",
+                                         "sharded", "step_end", "epoch_end", "summary", "acc"])
+             if name not in ("step_end", "epoch_end", "acc")]
+
+
+@pytest.mark.task("07.6")
+@pytest.mark.parametrize("index", MIGRATING)
+def test_migration_row_old_call_fails_and_new_call_works(mig, index):
+    import pytorch_lightning as pl
+
+    outcome, trainer = _check_row(mig, index)
+    assert isinstance(trainer, pl.Trainer)
+    assert outcome.split(":")[0] in ("TypeError", "ValueError")
+    if "strategy" in mig.ROWS[index].new_api:
+        assert type(trainer.strategy).__name__ == "DDPStrategy"
+
+
+def test_migration_training_step_end_is_silently_ignored(mig):
+    outcome, calls = _check_row(mig, 6)
+    assert outcome == "runs: training_step_end called 0 times"
+    assert calls == {"training_step": 2}
+
+
+def test_migration_training_epoch_end_raises(mig):
+    outcome, calls = _check_row(mig, 7)
+    assert outcome.startswith("NotImplementedError: Support for `training_epoch_end`")
+    assert calls == {"on_train_epoch_end": 1}
+
+
+def test_migration_accuracy_needs_a_task(mig):
+    outcome, value = _check_row(mig, 8 + 1)
+    assert "task" in outcome
+    assert value.item() == pytest.approx(2 / 3)
+
+
+def test_every_old_api_of_the_issue_has_a_row(mig):
+    olds = " ".join(r.old_api for r in mig.ROWS)
+    for needle in ["gpus=", 'accelerator="dp"', 'strategy="dp"', "distributed_backend=",
+                   "ddp2", "ddp_sharded", "training_step_end", "training_epoch_end",
+                   "weights_summary", "Accuracy(num_classes="]:
+        assert needle in olds, needle

@@ -1,0 +1,218 @@
+"""Rank functions for lesson 08's tests (run by dpt.testing.run_distributed).
+
+Each one loads the lesson code through tests.lessons.load inside the rank, and uses torch's
+own tools (DDP, ZeroRedundancyOptimizer, fully_shard, DTensor.full_tensor) as references.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dpt.models import ConvNet
+from tests.lessons import load
+
+LESSON = "08_sharding"
+
+
+def reference_partition(sizes, world_size):
+    """Each parameter, in the given order, to the least-loaded rank so far.
+
+    Deliberately not the lesson's algorithm (no sorting), so step() is tested on an
+    assignment of the test's choosing.
+    """
+    loads, owners = [0] * world_size, []
+    for s in sizes:
+        r = loads.index(min(loads))
+        owners.append(r)
+        loads[r] += s
+    return owners
+
+
+def batch(rank, step, n=8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _groups(model, lr):
+    """Two parameter groups: weights with decay, biases and norms without, other lr."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": lr * 2}]
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+    "adam": (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.05}),
+}
+
+
+def sharded_vs_plain(rank, world_size, opt_name="adam", steps=4, own_partition=False):
+    """DDP + plain optimizer, DDP + the lesson's ShardedOptimizer, DDP + torch's ZeRO.
+
+    Same initial weights, same per-rank data. Returns the three models' parameters, which
+    params hold optimizer state on this rank, and the state's size.
+    """
+    zo = load(LESSON, "zero_optimizer")
+    cls, kwargs = OPTIMIZERS[opt_name]
+    torch.manual_seed(0)
+    base = ConvNet()
+    models = [DDP(copy.deepcopy(base)) for _ in range(3)]
+    plain = cls(_groups(models[0].module, kwargs["lr"]), **kwargs)
+    sharded_cls = zo.ShardedOptimizer
+    if not own_partition:  # test step() alone, on an assignment the test chooses
+        sharded_cls = type("RefSharded", (zo.ShardedOptimizer,),
+                           {"assign": staticmethod(reference_partition)})
+    groups = _groups(models[1].module, kwargs["lr"])
+    # the optimizer's parameter order: group by group
+    all_params = [p for g in groups for p in g["params"]]
+    sharded = sharded_cls(groups, cls, **kwargs)
+    torch_zero = ZeroRedundancyOptimizer(_groups(models[2].module, kwargs["lr"]),
+                                         optimizer_class=cls, **kwargs)
+    opts = [plain, sharded, torch_zero]
+    for step in range(steps):
+        if step == steps // 2:  # what an LR scheduler does: edit param_groups
+            for opt in opts:
+                for g in opt.param_groups:
+                    g["lr"] *= 0.5
+        x, y = batch(rank, step)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    params = [[p.detach().clone() for p in m.module.parameters()] for m in models]
+    inner = sharded.local_optimizer
+    with_state = []
+    state_bytes = 0
+    if inner is not None:
+        for i, p in enumerate(all_params):
+            st = inner.state.get(p, {})
+            tensors = [v for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+            if tensors:
+                with_state.append(i)
+                state_bytes += sum(t.numel() * t.element_size() for t in tensors)
+    # Also count any state the outer object may have put in its own .state
+    outer_state = sum(1 for p in all_params if sharded.state.get(p))
+    plain_bytes = sum(t.numel() * t.element_size() for st in plain.state.values()
+                      for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    sizes = [p.numel() for p in all_params]
+    owners = (zo.partition_params(sizes, world_size) if own_partition
+              else reference_partition(sizes, world_size))
+    return {"params": params, "with_state": with_state, "state_bytes": state_bytes,
+            "plain_state_bytes": plain_bytes, "outer_state": outer_state, "owners": owners,
+            "sizes": sizes}
+
+
+def zero2_vs_plain(rank, world_size, steps=3):
+    """ZeRO-2: no DDP; the lesson optimizer's reduce_gradients() then step()."""
+    zo = load(LESSON, "zero_optimizer")
+    torch.manual_seed(0)
+    base = ConvNet()
+    ref, model = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    cls = type("RefSharded", (zo.ShardedOptimizer,), {"assign": staticmethod(reference_partition)})
+    opt = cls(model.parameters(), torch.optim.Adam, lr=1e-3, weight_decay=0.01)
+    grad_bytes = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            if o is opt:
+                o.reduce_gradients()
+                grad_bytes.append(sum(p.grad.numel() * p.grad.element_size()
+                                      for p in model.parameters() if p.grad is not None))
+            o.step()
+    # ref's buffers (batch norm) come from rank 0 via DDP; compare parameters only
+    diff = max((p - q).abs().max().item() for p, q in zip(ref.module.parameters(),
+                                                             model.parameters()))
+    owned = sum(p.numel() * p.element_size() for p in opt.params_of[rank])
+    return {"diff": diff, "grad_bytes": grad_bytes, "owned_bytes": owned}
+
+
+def reference_memory(rank, world_size):
+    """Measured bytes per rank under DDP, torch ZeRO-1 and torch FSDP2 (reference code)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def count(tensors):
+        out = 0
+        for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            out += t.numel() * t.element_size()
+        return out
+
+    def state_of(opt):
+        return count(v for st in opt.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+
+    x, y = batch(rank, 0)
+    out = {}
+    for stage in ("ddp", "zero1", "zero3"):
+        torch.manual_seed(0)
+        model = ConvNet()
+        if stage == "zero3":
+            for block in (model.layer1, model.layer2, model.fc):
+                fully_shard(block)
+            fully_shard(model)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        else:
+            model = DDP(model)
+            opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if stage == "ddp" else
+                   ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        inner = getattr(opt, "optim", opt)
+        out[stage] = {"params": count(model.parameters()),
+                      "grads": count(p.grad for p in model.parameters() if p.grad is not None),
+                      "optimizer": state_of(inner)}
+    out["num_params"] = sum(p.numel() for p in ConvNet().parameters())
+    return out
+
+
+def _torch_shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in (model.layer1, model.layer2, model.fc):
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def fsdp_vs_ddp(rank, world_size, steps=4, state_dict=False, own_shard=True):
+    """The lesson's shard_model (or torch's, to test 08.5 alone) against DDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ft = load(LESSON, "fsdp2_train")
+    torch.manual_seed(0)
+    base = ConvNet()
+    ddp = DDP(copy.deepcopy(base))
+    fsdp = (ft.shard_model if own_shard else _torch_shard)(copy.deepcopy(base))
+    is_unit = {name: isinstance(m, FSDPModule) for name, m in
+               [("root", fsdp), ("layer1", fsdp.layer1), ("layer2", fsdp.layer2), ("fc", fsdp.fc)]}
+    shards = [(n, type(p).__name__, p.numel(),
+               (p.to_local() if hasattr(p, "to_local") else p).numel())
+              for n, p in fsdp.named_parameters()]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01) for m in (ddp, fsdp)]
+    losses = {"ddp": [], "fsdp": []}
+    for step in range(steps):
+        x, y = batch(rank, step)
+        for key, m, o in (("ddp", ddp, opts[0]), ("fsdp", fsdp, opts[1])):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            losses[key].append(loss.item())
+    full = [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
+            for p in fsdp.parameters()]
+    diff = max((a - b.detach()).abs().max().item() for a, b in zip(full, ddp.module.parameters()))
+    out = {"is_unit": is_unit, "shards": shards, "losses": losses, "diff": diff}
+    if state_dict:
+        sd = ft.full_state_dict(fsdp)
+        out["fsdp_sd"] = {k: (type(v).__name__, v.detach().clone() if torch.is_tensor(v) else v)
+                          for k, v in sd.items()}
+        out["ddp_sd"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return out

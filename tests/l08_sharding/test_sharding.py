@@ -1,0 +1,241 @@
+"""Lesson 08: memory accounting, the hand-written sharded optimizer, FSDP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpt.models import ConvNet
+from dpt.testing import run_distributed
+from tests.helpers import one_line_error, run_script
+from tests.l08_sharding import rank_fns
+from tests.lessons import load, script
+
+LESSON = "08_sharding"
+P = sum(p.numel() for p in ConvNet().parameters())
+
+
+@pytest.fixture
+def acc():
+    return load(LESSON, "zero_accounting")
+
+
+@pytest.fixture
+def zo():
+    return load(LESSON, "zero_optimizer")
+
+
+# --- 08.1 the accounting ------------------------------------------------------------------
+
+@pytest.mark.task("08.1")
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_prediction_shards_one_more_thing_per_stage(acc, n):
+    p = 1_000_003
+    ddp, z1, z2, z3 = (acc.predict_bytes(p, n, s) for s in ("ddp", "zero1", "zero2", "zero3"))
+    assert ddp == pytest.approx({"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p,
+                                 "total": 16 * p})
+    assert z1 == pytest.approx({"params": 4 * p, "grads": 4 * p, "optimizer": 8 * p / n,
+                                "total": 8 * p + 8 * p / n})
+    assert z2 == pytest.approx({"params": 4 * p, "grads": 4 * p / n, "optimizer": 8 * p / n,
+                                "total": 4 * p + 12 * p / n})
+    assert z3 == pytest.approx({"params": 4 * p / n, "grads": 4 * p / n, "optimizer": 8 * p / n,
+                                "total": 16 * p / n})
+
+
+@pytest.mark.task("08.1")
+def test_prediction_uses_the_bytes_per_parameter_it_is_given(acc):
+    # the ZeRO paper's mixed-precision count: 2 + 2 + K=12 bytes per parameter
+    assert acc.predict_bytes(10**9, 64, "zero3", 2, 2, 12)["total"] == pytest.approx(16e9 / 64)
+    assert acc.predict_bytes(10**9, 64, "ddp", 2, 2, 12)["total"] == pytest.approx(16e9)
+    assert acc.predict_bytes(100, 4, "zero1", 4, 4, 0)["optimizer"] == 0
+    with pytest.raises(ValueError, match="stage"):
+        acc.predict_bytes(100, 2, "zero4")
+
+
+@pytest.mark.slow
+@pytest.mark.task("08.1")
+@pytest.mark.timeout(120)
+def test_prediction_matches_what_ddp_zero1_and_fsdp_really_allocate(acc):
+    """Measured with torch's own DDP, ZeroRedundancyOptimizer and fully_shard, 2 ranks."""
+    preds = {s: acc.predict_bytes(P, 2, s) for s in ("ddp", "zero1", "zero3")}
+    ranks = run_distributed(rank_fns.reference_memory, world_size=2, timeout=100)
+    largest = max(p.numel() for p in ConvNet().parameters())
+    for stage, pred in preds.items():
+        for key in ("params", "grads", "optimizer"):
+            measured = [r[stage][key] for r in ranks]
+            # summed over ranks, nothing is lost or duplicated beyond the prediction
+            assert sum(measured) == pytest.approx(2 * pred[key], rel=1e-6), (stage, key)
+            slack = 8 * largest if (stage == "zero1" and key == "optimizer") else 0
+            for m in measured:  # ZeRO-1 shards whole tensors, so up to one tensor off
+                assert abs(m - pred[key]) <= slack + 1e-6, (stage, key, m, pred[key])
+
+
+@pytest.mark.task("08.1")
+def test_measure_bytes_counts_a_plain_model_and_adam(acc):
+    torch.manual_seed(0)
+    model = ConvNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    opt.step()
+    assert acc.measure_bytes(model, opt) == {"params": 4 * P, "grads": 4 * P,
+                                             "optimizer": 8 * P, "total": 16 * P}
+    # and it agrees with the prediction for N = 1
+    assert acc.predict_bytes(P, 1, "zero3")["total"] == 16 * P
+
+
+# --- 08.2 the balanced assignment ----------------------------------------------------------
+
+@pytest.mark.task("08.2")
+@pytest.mark.parametrize("sizes,n", [
+    ([p.numel() for p in ConvNet().parameters()], 2),
+    ([p.numel() for p in ConvNet().parameters()], 3),
+    ([1] * 10, 4),
+    ([100, 1, 1, 1, 50, 50, 2, 30, 20, 10], 3),
+    (list(range(1, 40)), 5),
+])
+def test_partition_is_balanced_by_size_and_covers_everything(zo, sizes, n):
+    owners = zo.partition_params(sizes, n)
+    assert len(owners) == len(sizes)
+    assert all(isinstance(o, int) and 0 <= o < n for o in owners)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n)]
+    assert sum(loads) == sum(sizes)
+    # no rank above the others by more than one parameter: all on rank 0 fails here
+    assert max(loads) - min(loads) <= max(sizes), loads
+    assert zo.partition_params(sizes, n) == owners  # every rank computes the same answer
+
+
+@pytest.mark.task("08.2")
+def test_partition_uses_every_rank_and_keeps_big_tensors_apart(zo):
+    owners = zo.partition_params([1000, 1000, 10, 10], 2)
+    assert owners[0] != owners[1]
+    assert owners[2] != owners[3]
+    assert sorted(set(zo.partition_params([5] * 8, 4))) == [0, 1, 2, 3]
+    assert zo.partition_params([3, 4], 1) == [0, 0]
+
+
+@pytest.mark.task("08.2")
+@pytest.mark.timeout(120)
+def test_the_optimizer_uses_the_balanced_assignment(zo):
+    """The default ShardedOptimizer: each rank holds about 1/N of Adam's state."""
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=100,
+                            kwargs={"opt_name": "adam", "steps": 2, "own_partition": True})
+    whole = ranks[0]["plain_state_bytes"]
+    largest = 8 * max(ranks[0]["sizes"])
+    held = [r["state_bytes"] for r in ranks]
+    assert sum(held) == whole
+    for h in held:
+        assert abs(h - whole / 2) <= largest / 2 + 1e-6, held
+
+
+# --- 08.3 the sharded optimizer's step -----------------------------------------------------
+
+def _close(a, b, atol=1e-5):
+    return all(torch.allclose(x, y, atol=atol, rtol=1e-4) for x, y in zip(a, b))
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_sharded_optimizer_matches_plain_and_torch_zero(opt_name):
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+                            kwargs={"opt_name": opt_name, "steps": 4})
+    for r in ranks:
+        plain, sharded, torch_zero = r["params"]
+        # every rank, also the one that does not own a parameter, ends with the update:
+        # shards never broadcast back leave the other rank's copy behind
+        assert _close(sharded, plain), f"rank {ranks.index(r)} differs from the plain optimizer"
+        assert _close(sharded, torch_zero), "differs from torch's ZeroRedundancyOptimizer"
+        assert not _close(sharded, [p * 0 + p.mean() for p in plain], atol=0)
+    for a, b in zip(ranks[0]["params"][1], ranks[1]["params"][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the ranks agree exactly
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_each_rank_keeps_state_only_for_the_params_it_owns():
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+                            kwargs={"opt_name": "adam", "steps": 2})
+    owners = ranks[0]["owners"]
+    seen = []
+    for rank, r in enumerate(ranks):
+        mine = [i for i, o in enumerate(owners) if o == rank]
+        # a rank stepping parameters it does not own builds state for them
+        assert r["with_state"] == mine, (rank, r["with_state"], mine)
+        assert r["outer_state"] == 0
+        seen += r["with_state"]
+    assert sorted(seen) == list(range(len(owners)))
+    whole = ranks[0]["plain_state_bytes"]
+    assert sum(r["state_bytes"] for r in ranks) == whole
+    assert all(r["state_bytes"] < 0.75 * whole for r in ranks)  # about 1/N, not all of it
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_adamw_with_param_groups_matches():
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+                            kwargs={"opt_name": "adamw", "steps": 3})
+    for r in ranks:
+        plain, sharded, _ = r["params"]
+        assert _close(sharded, plain)
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_zero2_reduce_gradients_then_step_matches_ddp():
+    ranks = run_distributed(rank_fns.zero2_vs_plain, world_size=2, timeout=120)
+    for r in ranks:
+        assert r["diff"] < 1e-5
+        # after reduce_gradients a rank keeps gradients only for what it owns (4P/N-ish)
+        assert all(g == r["owned_bytes"] for g in r["grad_bytes"])
+        assert r["owned_bytes"] < 0.75 * 4 * P
+
+
+# --- 08.4 / 08.5 FSDP2 ---------------------------------------------------------------------
+
+@pytest.mark.task("08.4")
+@pytest.mark.timeout(150)
+def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
+    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=120,
+                            kwargs={"steps": 4})
+    for r in ranks:
+        assert r["is_unit"] == {"root": True, "layer1": True, "layer2": True, "fc": True}
+        assert r["losses"]["fsdp"] == pytest.approx(r["losses"]["ddp"], rel=1e-4, abs=1e-5)
+        assert r["diff"] < 1e-5
+    for i, (name, kind, numel, _) in enumerate(ranks[0]["shards"]):
+        assert kind == "DTensor", name
+        local = [r["shards"][i][3] for r in ranks]
+        assert sum(local) == numel, name  # 1/N of every parameter on each rank
+        assert max(local) <= -(-numel // 2), name
+
+
+@pytest.mark.task("08.5")
+@pytest.mark.timeout(150)
+def test_full_state_dict_on_rank0_equals_ddps():
+    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=120,
+                            kwargs={"steps": 3, "state_dict": True, "own_shard": False})
+    fsdp_sd, ddp_sd = ranks[0]["fsdp_sd"], ranks[0]["ddp_sd"]
+    assert set(fsdp_sd) == set(ddp_sd)
+    for k, (kind, v) in fsdp_sd.items():
+        assert kind == "Tensor", f"{k} is a {kind}, not a plain full tensor"
+        assert v.device.type == "cpu"
+        torch.testing.assert_close(v, ddp_sd[k], atol=1e-5, rtol=1e-4)
+    assert ranks[1]["fsdp_sd"] == {}  # cpu_offload: only rank 0 keeps the full copy
+
+
+# --- the scripts (not graded) --------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lightning_fsdp_explains_itself_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_script(script(LESSON, "fsdp2_train.py"), "--lightning", timeout=100)
+    assert proc.returncode == 2
+    assert "GPU" in one_line_error(proc) and "fully_shard" in one_line_error(proc)
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_give_one_line():
+    proc = run_script(script(LESSON, "fsdp2_train.py"), "--nproc", "0", timeout=50)
+    assert proc.returncode == 2
+    assert "at least 1" in one_line_error(proc)
