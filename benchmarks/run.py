@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model)
     if args.quick:
-        cfg.warmup, cfg.steps, cfg.repeats, cfg.timeout = 2, 5, 3, 180.0
+        cfg.warmup, cfg.steps, cfg.repeats, cfg.timeout = 2, 4, 3, 180.0
+        cfg.batch_size = 128
         cfg.sweep_batches = [64, 512]
         cfg.allreduce_sizes = [2**k for k in range(12, 23, 2)]
     for key in ("batch_size", "steps", "repeats", "warmup"):

@@ -115,7 +115,12 @@ def main(argv=None) -> int:
     except (DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("RESULT " + json.dumps(result), flush=True)  # one line per rank
+    # One line per rank, in rank order: the ranks share one stdout, so printing at the same
+    # moment would interleave their lines.
+    for rank in range(fabric.world_size):
+        if fabric.global_rank == rank:
+            print("RESULT " + json.dumps(result), flush=True)
+        fabric.barrier()
     return 0
 
 
