@@ -323,9 +323,6 @@ def summary_markdown(result: dict) -> str:
 
 
 def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     recs = [r for r in result["records"] if r["status"] == "ok" and r.get("sweep") is None]
@@ -338,30 +335,38 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         pts = sorted((r["nprocs"], r[key]) for r in recs if r["method"] == method and key in r)
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    # Speedup with the ideal line and the cost model's prediction.
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # Speedup: measured (left, with the ideal line), and the cost model's projection (right).
+    fig, (ax, axp) = plt.subplots(1, 2, figsize=(12, 4.8))
     max_n = max([r["nprocs"] for r in recs] + [2])
-    ns_ideal = sorted(set([1, max_n] + ([n for n in project_ns] if cm else [])))
-    ax.plot(ns_ideal, ns_ideal, "k:", label="ideal (N x)")
+    ax.plot([1, max_n], [1, max_n], "k:", label="ideal (N x)")
     for mname in methods:
         ns, sp = by(mname, "speedup")
         if len(ns) > 1:
             ax.plot(ns, sp, "o-", label=mname)
-    if cm:
-        model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
-        ax.plot(project_ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                             for n in project_ns], "--", color="gray",
-                label=f"predicted, fitted {cm['bandwidth_Bps'] / 1e9:.2f} GB/s")
-        for name, gbps in (cm.get("projections") or {}).items():
-            proj = RingModel(cm["alpha_s"], gbps * 1e9)
-            ax.plot(project_ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                                 for n in project_ns], "--", label=f"predicted, {name}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
+    ax.set_xticks(sorted({r["nprocs"] for r in recs}))
     ax.set_xlabel("N (ranks)")
     ax.set_ylabel("speedup (samples/s over N=1)")
-    ax.set_title(f"Speedup: {label}")
+    ax.set_title(f"Measured: {label}", fontsize=10)
     ax.legend(fontsize=7)
+    axp.plot(project_ns, project_ns, "k:", label="ideal")
+    if cm:
+        model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
+        axp.plot(project_ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"])
+                              for n in project_ns], "--", color="gray",
+                 label=f"predicted, this machine ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+        for name, gbps in (cm.get("projections") or {}).items():
+            proj = RingModel(cm["alpha_s"], gbps * 1e9)
+            axp.plot(project_ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"])
+                                  for n in project_ns], "--", label=f"predicted, {name}")
+        for mname in ("ddp_spawn", "independent"):
+            ns, sp = by(mname, "speedup")
+            if len(ns) > 1:
+                axp.plot(ns, sp, "o", label=f"measured {mname}")
+    axp.set_xscale("log", base=2)
+    axp.set_yscale("log", base=2)
+    axp.set_xlabel("N (ranks)")
+    axp.set_title("Cost model (dashed = predicted, not measured)", fontsize=10)
+    axp.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "speedup.png")
     fig.savefig(paths[-1], dpi=110)
@@ -476,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; a notebook calling make_plots keeps its own backend
     args = build_parser().parse_args(argv)
     methods = load_all()
     if args.list:
