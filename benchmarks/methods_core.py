@@ -14,19 +14,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.registry import BenchContext, method
-
-
-def _sgd_step(model, optimizer, batch) -> float:
-    x, y = batch
-    optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+from benchmarks.registry import BenchContext, method, optimizer_step
 
 
 def _real_batches(ctx: BenchContext, fast: bool):
@@ -45,7 +35,7 @@ def single(ctx: BenchContext):
     model = ctx.model().to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = _real_batches(ctx, fast=True)
-    return lambda: _sgd_step(model, opt, next(batches))
+    return lambda: optimizer_step(model, opt, next(batches))
 
 
 @method("single_dataloader",
@@ -55,7 +45,7 @@ def single_dataloader(ctx: BenchContext):
     model = ctx.model().to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = _real_batches(ctx, fast=False)
-    return lambda: _sgd_step(model, opt, next(batches))
+    return lambda: optimizer_step(model, opt, next(batches))
 
 
 @method("independent", "N ranks training separate models, no communication (the ceiling)")
@@ -63,7 +53,7 @@ def independent(ctx: BenchContext):
     model = ctx.model().to(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batch = ctx.batch()
-    return lambda: _sgd_step(model, opt, batch)
+    return lambda: optimizer_step(model, opt, batch)
 
 
 @method("ddp_no_buffer_broadcast",
@@ -76,6 +66,6 @@ def ddp_no_buffer_broadcast(ctx: BenchContext):
 
     def compute_only() -> float:
         with ddp.no_sync():
-            return _sgd_step(ddp, opt, batch)
+            return optimizer_step(ddp, opt, batch)
 
-    return lambda: _sgd_step(ddp, opt, batch), {"compute_step": compute_only}
+    return lambda: optimizer_step(ddp, opt, batch), {"compute_step": compute_only}

@@ -16,10 +16,9 @@ import weakref
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.registry import BenchContext, method
+from benchmarks.registry import BenchContext, method, optimizer_step
 
 
 @method("ddp_snapshot",
@@ -37,16 +36,8 @@ def ddp_snapshot(ctx: BenchContext):
     batch = ctx.batch()
     count = {"steps": 0}
 
-    def plain() -> float:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
     def step() -> float:
-        loss = plain()
+        loss = optimizer_step(ddp, opt, batch)
         count["steps"] += 1
         if count["steps"] % every == 0:
             save_snapshot(folder / "snapshot.pt", ddp, opt, count["steps"], ctx.seed, ctx.device)

@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.registry import BenchContext, method
+from benchmarks.registry import BenchContext, method, optimizer_step
 
 LR = 1e-3
-
-
-def _adam_step(model, optimizer, batch) -> float:
-    x, y = batch
-    optimizer.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
 
 
 def _ddp(model):
@@ -34,7 +24,7 @@ def ddp_adam(ctx: BenchContext):
     model = _ddp(ctx.model().to(ctx.device))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     batch = ctx.batch()
-    return lambda: _adam_step(model, opt, batch)
+    return lambda: optimizer_step(model, opt, batch)
 
 
 @method("sharded_optimizer",
@@ -47,7 +37,7 @@ def sharded_optimizer(ctx: BenchContext):
     model = _ddp(ctx.model().to(ctx.device))
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
     batch = ctx.batch()
-    return lambda: _adam_step(model, opt, batch)
+    return lambda: optimizer_step(model, opt, batch)
 
 
 @method("fsdp2", "FSDP2 fully_shard per block then root: params, grads and Adam state 1/N")
@@ -59,4 +49,4 @@ def fsdp2(ctx: BenchContext):
     model = shard_model(ctx.model().to(ctx.device))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     batch = ctx.batch()
-    return lambda: _adam_step(model, opt, batch)
+    return lambda: optimizer_step(model, opt, batch)
