@@ -1,8 +1,13 @@
 """Lesson 08: memory per rank and step throughput of DDP, the ZeRO-1 optimizer and FSDP2.
 
 Each configuration (method x N ranks, N = 1 and 2) runs in fresh processes, 1 thread per
-rank, gloo, Adam, a wide MLP (seed 000's, hidden 4096: about 3.3 M parameters, so the model
-state is tens of MB and stands out of the process's noise). Configurations alternate over
+rank, gloo, Adam. The default model is a deep MLP of equal layers (784 -> 1024, then
+``--layers`` 6 of 1024 -> 1024, then -> 10: about 7.1 M parameters, so the model state is
+over 100 MB and stands out of the process's noise). Equal layers matter for the sharded
+optimizer: it gives each rank whole parameters, so it can only balance a model made of many
+parameters of similar size. ``--layers 0`` is seed 000's one-hidden-layer MLP (``--hidden
+4096``: one 3.2 M weight holds almost everything, so one rank owns nearly all the optimizer
+state; FSDP2, which shards every parameter, still halves it). Configurations alternate over
 ``--repeats`` rounds; medians are reported. Per rank it records:
 
 - *model state*: bytes of parameters + gradients + Adam state this rank holds after a step
@@ -17,8 +22,9 @@ The accounting's prediction for N = 1..8 is drawn as its own dashed line, marked
 this machine has 2 cores, so N > 2 is not measured.
 
     python benchmarks/bench_l08_memory.py --repeats 2
+    python benchmarks/bench_l08_memory.py --layers 0 --hidden 4096   # seed 000's wide MLP
 
-Writes benchmarks/results/l08_memory.json and .png.
+Writes benchmarks/results/l08_memory.json and .png (``l08_memory_wide.*`` with ``--layers 0``).
 """
 
 from __future__ import annotations
@@ -52,8 +58,26 @@ def _reset_peak() -> bool:
         return False
 
 
+def build_model(hidden: int, layers: int):
+    """Seed 000's MLP when ``layers`` is 0, else a deep MLP of ``layers`` equal hidden layers."""
+    from torch import nn
+
+    from dpt.models import MLP
+
+    if layers == 0:
+        return MLP(hidden_dim=hidden)
+    body = [m for _ in range(layers) for m in (nn.Linear(hidden, hidden), nn.ReLU())]
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, hidden), nn.ReLU(), *body,
+                         nn.Linear(hidden, 10))
+
+
+def model_label(hidden: int, layers: int) -> str:
+    return (f"MLP(hidden={hidden})" if layers == 0
+            else f"deep MLP (784->{hidden}, {layers} x {hidden}->{hidden}, ->10)")
+
+
 def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: int,
-                  steps: int, warmup: int) -> dict:
+                  steps: int, warmup: int, layers: int = 0) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,14 +88,12 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
     from zero_accounting import measure_bytes
     from zero_optimizer import ShardedOptimizer
 
-    from dpt.models import MLP
-
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
     rss0 = _proc_kib("VmRSS")
     reset = _reset_peak()
     torch.manual_seed(0)
-    model = MLP(hidden_dim=hidden)
+    model = build_model(hidden, layers)
     if method == "fsdp2":
         model = shard_model(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -102,7 +124,9 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="lesson 08: memory and throughput per rank")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=6,
+                    help="equal hidden layers; 0 = seed 000's one-hidden-layer MLP")
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -111,10 +135,11 @@ def main(argv=None) -> int:
     from zero_accounting import STAGES, predict_bytes
 
     from benchmarks.bench_l08_memory import memory_worker as worker  # importable by the ranks
-    from dpt.models import MLP
     from dpt.testing import run_distributed
 
-    num_params = sum(p.numel() for p in MLP(hidden_dim=args.hidden).parameters())
+    if args.hidden < 1 or args.layers < 0 or args.repeats < 1 or args.steps < 1:
+        ap.error("--hidden, --repeats and --steps must be at least 1, --layers at least 0")
+    num_params = sum(p.numel() for p in build_model(args.hidden, args.layers).parameters())
     runs: dict[str, list] = {}
     for _ in range(args.repeats):
         for n in (1, 2):
@@ -122,7 +147,7 @@ def main(argv=None) -> int:
                 ranks = run_distributed(worker, world_size=n, backend="gloo", timeout=300,
                                         threads=1, echo=False,
                                         args=(method, args.hidden, args.batch, args.steps,
-                                              args.warmup))
+                                              args.warmup, args.layers))
                 runs.setdefault(f"{method}@{n}", []).append(ranks)
                 print(f"{method:>18} N={n}: {min(r['steps_per_s'] for r in ranks):.1f} steps/s, "
                       f"state {max(r['state']['total'] for r in ranks) / 2**20:.1f} MB/rank, "
@@ -147,13 +172,14 @@ def main(argv=None) -> int:
     predicted = [{"stage": s, "world_size": n, "mb": predict_bytes(num_params, n, s)["total"] / 2**20}
                  for s in STAGES for n in range(1, 9)]
     OUT.mkdir(parents=True, exist_ok=True)
-    result = {"model": f"MLP(hidden={args.hidden})", "num_params": num_params,
+    result = {"model": model_label(args.hidden, args.layers), "num_params": num_params,
               "optimizer": "Adam fp32", "batch_per_rank": args.batch, "steps": args.steps,
               "repeats": args.repeats, "threads_per_rank": 1, "backend": "gloo (CPU)",
               "measured": measured, "predicted": predicted,
               "note": "predicted rows are the accounting (zero_accounting.predict_bytes), "
                       "not measurements; N > 2 was not run on this 2-core machine"}
-    (OUT / "l08_memory.json").write_text(json.dumps(result, indent=2))
+    stem = "l08_memory" if args.layers else "l08_memory_wide"
+    (OUT / f"{stem}.json").write_text(json.dumps(result, indent=2))
 
     import matplotlib
     matplotlib.use("Agg")
@@ -172,8 +198,9 @@ def main(argv=None) -> int:
         ax.plot([m["world_size"] for m in pts], [m["peak_rss_growth_mb"] for m in pts], "x",
                 color=colors[stage], ms=9, label=f"measured peak RSS growth: {method}")
     ax.set(xlabel="ranks N", ylabel="MB per rank", xticks=range(1, 9),
-           title=f"memory per rank, {num_params / 1e6:.2f} M params, Adam fp32\n"
-                 "dashed = PREDICTED by the accounting; markers = measured (N = 1, 2)")
+           title=f"memory per rank: {result['model']}\n{num_params / 1e6:.2f} M params, "
+                 "Adam fp32; dashed = PREDICTED by the accounting,\nmarkers = measured (N = 1, 2)")
+    ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
     names = list(STAGE_OF)
     for i, n in enumerate((1, 2)):
@@ -184,8 +211,8 @@ def main(argv=None) -> int:
     bx.set(ylabel="steps / s (per rank, slowest rank)", title="step throughput (measured)")
     bx.legend()
     fig.tight_layout()
-    fig.savefig(OUT / "l08_memory.png", dpi=110)
-    print(f"wrote {OUT / 'l08_memory.json'} and .png")
+    fig.savefig(OUT / f"{stem}.png", dpi=110)
+    print(f"wrote {OUT / stem}.json and .png")
     return 0
 
 

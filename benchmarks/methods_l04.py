@@ -1,11 +1,13 @@
-"""Lesson 04's benchmark method: plain DDP plus the snapshots that make it fault tolerant.
+"""Lesson 04's benchmark methods: DDP launched by torchrun, and the snapshots of fault tolerance.
 
-Launching with torchrun does not change a training step: the ranks run the same DDP step as
-lesson 03 whichever launcher started them (the harness starts them its own way). What lesson 04
-adds to the cost of training is the snapshot: a gather of every rank's RNG state, rank 0's
-atomic write (serialize, fsync, rename) and a barrier. ``ddp_snapshot`` times DDP steps with a
-snapshot every ``snapshot_every`` steps (option, default 10: one in every window of 10 timed steps), so
-that against plain DDP it shows what fault tolerance costs per step at that frequency.
+``ddp_torchrun`` has torchrun start the ranks (``launcher="torchrun"``), which join the group
+with lesson 04's own code. Launching with torchrun does not change a training step, so its
+step time should match ``ddp_spawn``'s at the same N; the record's ``wall_s`` (start-up
+included) shows the launcher's fixed cost. What lesson 04 adds to the cost of training is the
+snapshot: a gather of every rank's RNG state, rank 0's atomic write (serialize, fsync, rename)
+and a barrier. ``ddp_snapshot`` times DDP steps with a snapshot every ``snapshot_every`` steps
+(option, default 10: one in every window of 10 timed steps), so that against plain DDP it
+shows what fault tolerance costs per step at that frequency.
 """
 
 from __future__ import annotations
@@ -44,3 +46,24 @@ def ddp_snapshot(ctx: BenchContext):
         return loss
 
     return step
+
+
+@method("ddp_torchrun",
+        "torch DDP launched by torchrun, joined as lesson 04 does (torchrun_env + setup), "
+        "stepping lesson 04's Trainer.ddp", launcher="torchrun")
+def ddp_torchrun(ctx: BenchContext):
+    from ddp_torchrun import Trainer  # lesson 04
+
+    model = ctx.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = Trainer(model, None, opt, ctx.device)  # wraps in DDP; no data loader needed
+    batch = ctx.batch()
+
+    def step() -> float:
+        return optimizer_step(trainer.ddp, opt, batch)
+
+    def compute_only() -> float:
+        with trainer.ddp.no_sync():
+            return optimizer_step(trainer.ddp, opt, batch)
+
+    return step, {"compute_step": compute_only}

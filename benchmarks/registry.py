@@ -82,20 +82,27 @@ class Method:
     min_procs: int = 1
     lesson: str = ""
     max_procs: int | None = None
+    launcher: str = "spawn"  # "spawn": dpt.testing.run_distributed; "torchrun": torchrun
 
 
 REGISTRY: dict[str, Method] = {}
 
 
 def method(name: str, description: str, requires: tuple[str, ...] = (), min_procs: int = 1,
-           max_procs: int | None = None):
-    """Register a benchmark method (see the module docstring)."""
+           max_procs: int | None = None, launcher: str = "spawn"):
+    """Register a benchmark method (see the module docstring).
+
+    ``launcher="torchrun"`` starts the ranks with torchrun (``benchmarks/torchrun_worker.py``)
+    instead of the harness's own process starter; the timing is the same code either way.
+    """
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher must be 'spawn' or 'torchrun', not {launcher!r}")
 
     def wrap(fn: Callable) -> Callable:
         if name in REGISTRY:
             raise ValueError(f"benchmark method {name!r} is registered twice")
         REGISTRY[name] = Method(name, description, fn, tuple(requires), min_procs,
-                                fn.__module__.rsplit("_", 1)[-1], max_procs)
+                                fn.__module__.rsplit("_", 1)[-1], max_procs, launcher)
         return fn
 
     return wrap

@@ -185,6 +185,11 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
                 import apex.amp  # noqa: F401
             except ImportError:
                 return "needs NVIDIA Apex"
+        if r == "lightning":
+            import importlib.util
+
+            if importlib.util.find_spec("lightning_fabric") is None:
+                return "needs Lightning (pip install pytorch-lightning)"
         if r == "data":
             from dpt.data import is_present
 
@@ -211,8 +216,12 @@ def run_one(name: str, n: int, cfg: Config, methods) -> dict:
         return rec
     start = time.perf_counter()
     try:
-        ranks = run_distributed(bench_rank, world_size=n, args=(name, asdict(cfg)),
-                                timeout=cfg.timeout, threads=cfg.threads_per_rank, echo=False)
+        if m.launcher == "torchrun":
+            ranks = run_torchrun(name, n, cfg)
+        else:
+            ranks = run_distributed(bench_rank, world_size=n, args=(name, asdict(cfg)),
+                                    timeout=cfg.timeout, threads=cfg.threads_per_rank,
+                                    echo=False)
     except RankFailure as exc:
         text = str(exc)
         rec.update(status="timeout" if "timed out" in text or "hung" in text else "failed",
@@ -239,6 +248,46 @@ def run_one(name: str, n: int, cfg: Config, methods) -> dict:
         comm = max(r["comm_s"] for r in ranks)
         rec.update(comm_s=comm, compute_s=max(0.0, step_s - comm))
     return rec
+
+
+def run_torchrun(name: str, n: int, cfg: Config) -> list[dict]:
+    """Start N ranks with torchrun (``benchmarks/torchrun_worker.py``) and read their results.
+
+    The same ``bench_rank`` runs in each; only the launcher differs. A failed rank's traceback,
+    or a timeout, raises RankFailure like the spawn path, so the sweep records it and goes on.
+    """
+    import signal
+    import subprocess
+    import tempfile
+
+    from dpt.dist import find_free_port
+    from dpt.testing import RankFailure
+
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="dpt-bench-torchrun-") as tmp:
+        out = Path(tmp)
+        (out / "config.json").write_text(json.dumps(asdict(cfg)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=0",
+               "-m", "benchmarks.torchrun_worker", name, str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads_per_rank),
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=cfg.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            raise RankFailure(f"{log[-1500:]}\ntorchrun: {name} at N={n} timed out after "
+                              f"{cfg.timeout:.0f} s and was killed") from None
+        errors = sorted(out.glob("rank*.error"))
+        if proc.returncode != 0 or errors:
+            text = "\n".join(f"--- {e.stem} ---\n{e.read_text()}" for e in errors)
+            raise RankFailure(text or f"torchrun exited with {proc.returncode}:\n{log[-2000:]}")
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
 def add_speedups(records: list[dict]) -> None:

@@ -122,8 +122,15 @@ for cap in (0.05, 1e-9, 25):
 # ## Speed
 #
 # `benchmarks/bench_l05_scratch_vs_torch.py` times the four wrappers interleaved in one run
-# (2 ranks, 1 thread each, ConvNet without batch norm, 128 images per rank), and splits each
-# step into compute (the same step under `no_sync()`) and communication. Its last result:
+# (2 ranks, 1 thread each, ConvNet without batch norm), and splits each step into compute (the
+# same step under `no_sync()`) and communication. On the course's idle 2-core CPU, at 512
+# images per rank, it measured throughput against torch DDP of **0.96 for naive, 0.99 for
+# overlap and 1.02 for bucketed** (targets: naive >= 0.85, bucketed >= 0.95). The split is the
+# lesson in one picture: naive waits about 36 ms per step for its all-reduce after backward,
+# just as long as torch DDP; overlap and bucketed hide all but 3-4 ms of it behind backward.
+# With 0.1 MB of gradients against 0.65 s of compute per step, the differences are a few
+# percent, the size of the run-to-run noise. The cell below draws the committed result file
+# (or yours, once you rerun the script):
 
 # %%
 result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
@@ -136,6 +143,9 @@ if result_file.exists():
     plt.bar(names, comm, bottom=compute, label="communication + waiting")
     for i, n in enumerate(names):
         plt.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x", ha="center")
+    cfg = json.loads(result_file.read_text())["config"]
+    plt.title(f"{cfg['world_size']} ranks, {cfg['threads_per_rank']} thread each, "
+              f"batch {cfg['batch']} per rank ({cfg['backend']})")
     plt.ylabel("ms per step")
     plt.legend()
     plt.show()

@@ -16,3 +16,14 @@ def stuck(ctx):
         time.sleep(3600)
 
     return step
+
+
+@method("broken_torchrun", "raises on rank 1 under torchrun (test only)", launcher="torchrun")
+def broken_torchrun(ctx):
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 is broken on purpose under torchrun")
+
+    def step():
+        return 0.0
+
+    return step

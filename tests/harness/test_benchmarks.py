@@ -62,6 +62,27 @@ def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_p
     assert recs["independent"]["status"] == "ok"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_rank(tmp_path):
+    proc = _bench(tmp_path, "--methods", "ddp_torchrun,lightning_ddp,ddp_spawn,broken_torchrun",
+                  "--nprocs", "2", "--timeout", "120")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    recs = {r["method"]: r for r in json.loads((tmp_path / "latest.json").read_text())["records"]}
+    for name in ("ddp_torchrun", "lightning_ddp", "ddp_spawn"):
+        assert recs[name]["status"] == "ok", recs[name]
+        assert recs[name]["samples_per_s"] > 0 and "comm_s" in recs[name]
+    # Same model, same start, same data, same optimizer: the launcher or the wrapper must not
+    # change what is trained.
+    assert recs["ddp_torchrun"]["final_loss"] == pytest.approx(recs["ddp_spawn"]["final_loss"],
+                                                               rel=1e-4)
+    assert recs["lightning_ddp"]["final_loss"] == pytest.approx(recs["ddp_spawn"]["final_loss"],
+                                                                rel=1e-4)
+    bad = recs["broken_torchrun"]
+    assert bad["status"] == "failed" and "rank1" in bad["detail"]
+    assert "broken on purpose under torchrun" in bad["error"]
+
+
 @pytest.mark.timeout(120)
 def test_a_run_with_no_success_keeps_the_previous_good_results(tmp_path):
     (tmp_path / "latest.json").write_text('{"good": true}')
