@@ -58,7 +58,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def build_model(hidden: int, layers: int):
+def memory_model(hidden: int, layers: int):
     """Seed 000's MLP when ``layers`` is 0, else a deep MLP of ``layers`` equal hidden layers."""
     from torch import nn
 
@@ -93,7 +93,7 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
     rss0 = _proc_kib("VmRSS")
     reset = _reset_peak()
     torch.manual_seed(0)
-    model = build_model(hidden, layers)
+    model = memory_model(hidden, layers)
     if method == "fsdp2":
         model = shard_model(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     if args.hidden < 1 or args.layers < 0 or args.repeats < 1 or args.steps < 1:
         ap.error("--hidden, --repeats and --steps must be at least 1, --layers at least 0")
-    num_params = sum(p.numel() for p in build_model(args.hidden, args.layers).parameters())
+    num_params = sum(p.numel() for p in memory_model(args.hidden, args.layers).parameters())
     runs: dict[str, list] = {}
     for _ in range(args.repeats):
         for n in (1, 2):

@@ -14,8 +14,6 @@ the harness and torchrun set, so ``fabric.launch()`` starts no new processes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +25,7 @@ from benchmarks.registry import BenchContext, method
 def lightning_ddp(ctx: BenchContext):
     from lightning_fabric import Fabric
 
-    threads = torch.get_num_threads()
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # Fabric keeps the harness's budget
-    os.environ.update(LOCAL_RANK=str(ctx.rank), NODE_RANK="0")
+    threads = torch.get_num_threads()  # the harness's budget; kept through Fabric's set-up
     accelerator = "cuda" if ctx.device.type == "cuda" else "cpu"
     strategy = "ddp" if ctx.world_size > 1 else "auto"
     fabric = Fabric(accelerator=accelerator, devices=ctx.world_size, strategy=strategy,
