@@ -83,6 +83,29 @@ def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_ran
     assert "broken on purpose under torchrun" in bad["error"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lesson07_speed_script_times_both_loops_and_its_diagnostic_removes_the_broadcast(
+        tmp_path):
+    """A smoke run of benchmarks/bench_l07_lightning_vs_raw.py (a few steps: not a measurement)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_l07_lightning_vs_raw.py", "--repeats", "1",
+         "--steps", "6", "--sigterm-diagnostic", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=280, cwd=REPO,
+        env=dict(os.environ, MPLBACKEND="Agg"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "l07_lightning_vs_raw_sigterm.json").read_text())
+    assert result["steps_per_rank"] == {"raw": 6, "lightning": 6, "lightning_nobcast": 6}
+    # Lightning's per-step SIGTERM broadcast happens once per step; the diagnostic removes it.
+    assert result["sigterm_broadcasts_per_epoch"] == {"lightning": 6, "lightning_nobcast": 0}
+    med = result["median_step_ms"]
+    assert set(med) == {"raw", "lightning", "lightning_nobcast"} and min(med.values()) > 0
+    assert result["median_step_ratio"] == pytest.approx(med["raw"] / med["lightning"])
+    assert len(result["paired_ratios"]) == 1
+    png = (tmp_path / "l07_lightning_vs_raw_sigterm.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.timeout(120)
 def test_a_run_with_no_success_keeps_the_previous_good_results(tmp_path):
     (tmp_path / "latest.json").write_text('{"good": true}')
