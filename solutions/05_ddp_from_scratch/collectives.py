@@ -154,6 +154,18 @@ def ring_model_seconds(fit: dict, nbytes: float, world_size: int) -> float:
     return fit["alpha_s"] + 2 * (world_size - 1) / world_size * nbytes / fit["bandwidth_Bps"]
 
 
+def try_fit_ring_model(nbytes: list[float], seconds: list[float], world_size: int) -> dict | None:
+    """``fit_ring_model``, or None when the timings cannot carry a fit.
+
+    On a busy machine a small message can take longer than a large one (a rank waits for a
+    core, not for bytes); then no bandwidth can be fitted, and saying so beats crashing.
+    """
+    try:
+        return fit_ring_model(nbytes, seconds, world_size)
+    except ValueError:
+        return None
+
+
 def plot_timings(result: dict, path: Path | None = None):
     import matplotlib
 
@@ -166,7 +178,10 @@ def plot_timings(result: dict, path: Path | None = None):
     for key, label, marker in (("ring_s", "ring by hand (isend/recv)", "o"),
                                ("torch_s", "dist.all_reduce", "s")):
         times = [r[key] for r in rows]
-        fit = fit_ring_model(sizes, times, n)
+        fit = try_fit_ring_model(sizes, times, n)
+        if fit is None:  # the points are still worth seeing: they show the noise
+            ax.loglog(sizes, times, marker, label=f"{label}: no fit (time did not grow with size)")
+            continue
         ax.loglog(sizes, times, marker, label=f"{label}: {fit['bandwidth_Bps'] / 1e9:.2f} GB/s")
         ax.loglog(sizes, [ring_model_seconds(fit, s, n) for s in sizes], "--", alpha=0.6)
     ax.set_xlabel("message size (bytes)")
@@ -213,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['bytes']:>10d} B  ring {row['ring_s'] * 1e3:9.3f} ms   "
               f"dist.all_reduce {row['torch_s'] * 1e3:9.3f} ms")
     for key in ("ring_s", "torch_s"):
-        fit = fit_ring_model([r["bytes"] for r in result["rows"]],
-                             [r[key] for r in result["rows"]], args.world_size)
+        fit = try_fit_ring_model([r["bytes"] for r in result["rows"]],
+                                 [r[key] for r in result["rows"]], args.world_size)
         result[f"fit_{key[:-2]}"] = fit
+        if fit is None:
+            print(f"{key[:-2]}: no fit, time did not grow with message size (is the machine "
+                  "busy? rerun with more --repeats or a larger --max-mb)")
+            continue
         print(f"{key[:-2]}: fitted bandwidth {fit['bandwidth_Bps'] / 1e9:.2f} GB/s, "
               f"latency {fit['alpha_s'] * 1e6:.0f} us")
     args.out.write_text(json.dumps(result, indent=2))
