@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "07_lightning"
 OUT = REPO / "benchmarks" / "results"
+TIMEOUT_S = 1800  # one variant's whole run; a full ConvNet epoch takes under a minute
 
 
 def _datamodule(batch):
@@ -159,14 +161,24 @@ def _run(variant: str, batch: int, model_name: str,
                me, "--worker", "raw", "--batch", str(batch), "--model", model_name]
     if steps is not None:
         cmd += ["--steps", str(steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SECONDS")]
+    # Its own session, so a timeout kills every rank (Lightning's rank 1 and torchrun's workers
+    # are grandchildren), not just the process we started.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"{variant} did not finish in {TIMEOUT_S} s; killed:\n"
+                           f"{stderr[-3000:]}") from None
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("SECONDS")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{variant} failed:\n{stderr[-3000:]}")
     _, seconds, steps = lines[0].split()
-    cycles = [json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines()
+    cycles = [json.loads(ln.split(" ", 1)[1]) for ln in stdout.splitlines()
               if ln.startswith("CYCLES")]
-    counts = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("BROADCASTS")]
+    counts = [int(ln.split()[1]) for ln in stdout.splitlines() if ln.startswith("BROADCASTS")]
     return float(seconds), int(steps), cycles[0] if cycles else [], counts[0] if counts else 0
 
 

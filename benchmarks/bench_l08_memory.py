@@ -88,6 +88,8 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
     from zero_accounting import measure_bytes
     from zero_optimizer import ShardedOptimizer
 
+    from dpt.models import count_parameters
+
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
     rss0 = _proc_kib("VmRSS")
@@ -118,7 +120,7 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
     state = measure_bytes(model, opt)
     return {"rank": rank, "steps_per_s": steps / elapsed, "state": state,
             "peak_rss_growth_mb": (_proc_kib("VmHWM") - rss0) / 1024 if reset else None,
-            "num_params": sum(p.numel() for p in model.parameters())}
+            "num_params": count_parameters(model)}
 
 
 def main(argv=None) -> int:
@@ -135,11 +137,12 @@ def main(argv=None) -> int:
     from zero_accounting import STAGES, predict_bytes
 
     from benchmarks.bench_l08_memory import memory_worker as worker  # importable by the ranks
+    from dpt.models import count_parameters
     from dpt.testing import run_distributed
 
     if args.hidden < 1 or args.layers < 0 or args.repeats < 1 or args.steps < 1:
         ap.error("--hidden, --repeats and --steps must be at least 1, --layers at least 0")
-    num_params = sum(p.numel() for p in memory_model(args.hidden, args.layers).parameters())
+    num_params = count_parameters(memory_model(args.hidden, args.layers))
     runs: dict[str, list] = {}
     for _ in range(args.repeats):
         for n in (1, 2):

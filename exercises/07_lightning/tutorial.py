@@ -205,8 +205,8 @@ runs = {"seed 000's MLP, batch 64": results / "l07_lightning_vs_raw.json",
 runs = {name: json.loads(f.read_text()) for name, f in runs.items() if f.exists()}
 runs = {name: r for name, r in runs.items() if "median_step_ms" in r}
 if runs:
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2))
-    for ax, (name, r) in zip(list(getattr(axes, "flat", [axes])), runs.items()):
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False)
+    for ax, (name, r) in zip(axes.flat, runs.items()):
         ms = r["median_step_ms"]
         ax.bar(["raw DDP loop", "Lightning ddp"], [ms["raw"], ms["lightning"]])
         ax.set_title(f"{name}: Lightning {r['median_step_ratio']:.2f}x per step,\n"

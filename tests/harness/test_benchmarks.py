@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from benchmarks.costmodel import RingModel, fit_ring
+from tests.helpers import run_script
 from tests.lessons import REPO
 
 TINY = ["--batch-size", "8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--no-sweep"]
@@ -88,11 +89,9 @@ def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_ran
 def test_lesson07_speed_script_times_both_loops_and_its_diagnostic_removes_the_broadcast(
         tmp_path):
     """A smoke run of benchmarks/bench_l07_lightning_vs_raw.py (a few steps: not a measurement)."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_l07_lightning_vs_raw.py", "--repeats", "1",
-         "--steps", "6", "--sigterm-diagnostic", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=280, cwd=REPO,
-        env=dict(os.environ, MPLBACKEND="Agg"))
+    proc = run_script(REPO / "benchmarks" / "bench_l07_lightning_vs_raw.py", "--repeats", "1",
+                      "--steps", "6", "--sigterm-diagnostic", "--out", str(tmp_path),
+                      timeout=280, env={"MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "l07_lightning_vs_raw_sigterm.json").read_text())
     assert result["steps_per_rank"] == {"raw": 6, "lightning": 6, "lightning_nobcast": 6}
