@@ -11,17 +11,37 @@ class DeviceError(RuntimeError):
     """A device was asked for that this machine does not have."""
 
 
+MPS_DISTRIBUTED = ("--device mps cannot train with several processes: no distributed backend "
+                   "supports Apple's MPS (gloo runs on the CPU, NCCL on CUDA GPUs); use "
+                   "--device auto or cpu, which run the ranks on the CPU with gloo")
+
+
+def mps_note(device: torch.device) -> str | None:
+    """One line for a Mac user whose ranks run on the CPU although MPS is there, else None."""
+    if torch.device(device).type == "cpu" and mps_available():
+        return ("note: this Mac's GPU (MPS) is not used: no distributed backend supports it, "
+                "so the ranks run on the CPU with gloo")
+    return None
+
+
 def mps_available() -> bool:
     return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 
 
-def pick_device(requested: str | None = "auto") -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu. An explicit device must exist."""
+def pick_device(requested: str | None = "auto", *, distributed: bool = False) -> torch.device:
+    """The device for this process. An explicit device must exist.
+
+    ``auto`` means the best device for one process: cuda, then mps, then cpu. With
+    ``distributed=True`` (the process joins a process group) it means the best device a
+    distributed backend supports: cuda (NCCL), else cpu (gloo). No backend supports Apple's
+    MPS, so on a Mac the ranks of a multi-process lesson run on the CPU, and an explicit
+    ``mps`` is refused with one line.
+    """
     requested = (requested or "auto").lower()
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        if mps_available():
+        if mps_available() and not distributed:
             return torch.device("mps")
         return torch.device("cpu")
     kind = requested.split(":")[0]
@@ -33,6 +53,8 @@ def pick_device(requested: str | None = "auto") -> torch.device:
     if kind == "cuda" and ":" in requested and int(requested.split(":")[1]) >= torch.cuda.device_count():
         raise DeviceError(f"{requested} does not exist: this machine has "
                           f"{torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and distributed:
+        raise DeviceError(MPS_DISTRIBUTED)
     if kind == "mps" and not mps_available():
         raise DeviceError("--device mps was asked for, but MPS is not available here")
     return torch.device(requested)

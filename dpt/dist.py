@@ -76,7 +76,7 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
     world_size = env_int("WORLD_SIZE") if world_size is None else world_size
     local_rank = env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
     local_world = env_int("LOCAL_WORLD_SIZE", world_size)
-    dev = pick_device(device)
+    dev = pick_device(device, distributed=True)
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "
@@ -109,6 +109,18 @@ def process_group(**kwargs):
         yield device
     finally:
         cleanup()
+
+
+def rank_device() -> torch.device:
+    """The device this rank's tensors and modules belong on, decided in one place.
+
+    Under NCCL, which takes only CUDA tensors, the GPU this process was pinned to
+    (``torch.cuda.set_device(local_rank)``); under gloo, or outside a process group, the CPU.
+    Rank functions call this instead of assuming a device.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_main_process() -> bool:
