@@ -15,7 +15,7 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup data test grade exercises lint run-01 benchmark clean
+.PHONY: help setup data test grade exercises lint run-01 benchmark gpu-check stress clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
@@ -25,6 +25,8 @@ help:
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
 	@echo "make benchmark    time 1-vs-N runs of every method, plot speedups (QUICK=1, METHODS=a,b, NPROCS=1,2)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
+	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
+	@echo "make stress N=10  the whole suite N times on a fresh clone under a CPU hog"
 	@echo "make lint         ruff"
 
 $(VENV)/.installed: pyproject.toml
@@ -53,6 +55,13 @@ lint: setup
 
 benchmark: setup data
 	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(BENCH_ARGS)
+
+gpu-check: setup data
+	$(PY) tools/gpu_check.py
+
+N ?= 10
+stress:
+	tools/stress_suite.sh $(N)
 
 run-01: setup data
 	$(PY) solutions/01_single_device/single_device.py --epochs 1

@@ -123,6 +123,18 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_mesh():
+    """A 1-D DeviceMesh over every rank, on :func:`rank_device`'s device type.
+
+    FSDP2's ``fully_shard`` without a mesh takes the machine's accelerator (``cuda`` wherever a
+    GPU is visible), whatever the process group's backend: gloo ranks on a GPU machine would
+    then shard onto GPU 0. Passing this mesh keeps the shards where the rank computes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(rank_device().type, (dist.get_world_size(),))
+
+
 def is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 

@@ -54,8 +54,13 @@ def _context():
 
 
 def default_backend(world_size: int) -> str:
-    forced = os.environ.get("DPT_TEST_BACKEND")
-    if forced:
+    """``backend="auto"``: NCCL when there is a GPU per rank, gloo otherwise.
+
+    ``DPT_TEST_BACKEND`` (gloo or nccl) overrides it; the test suite sets gloo, so its rank
+    functions run on the CPU on every machine, and its GPU tests ask for nccl by name.
+    """
+    forced = os.environ.get("DPT_TEST_BACKEND", "auto")
+    if forced not in ("", "auto"):
         return forced
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 

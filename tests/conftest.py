@@ -37,19 +37,53 @@ def pytest_configure(config):
     if not target.is_dir():
         raise pytest.UsageError(f"--target {target} is not a folder")
     os.environ["DPT_TARGET"] = str(target)
+    # The suite's rank functions and the lesson code they call run on the CPU with gloo on
+    # every machine (dpt.dist.rank_device follows the backend), so a GPU box gives the same
+    # results as a laptop. The GPU tests (tests/gpu, `make gpu-check`) ask for NCCL by name.
+    os.environ.setdefault("DPT_TEST_BACKEND", "gloo")
     # Every lesson folder goes on sys.path now, before any rank process is started, so that
     # fork-server children import lesson modules from the same tree.
     for lesson in sorted(p for p in target.iterdir() if p.is_dir() and p.name[:2].isdigit()):
         if str(lesson) not in sys.path:
             sys.path.insert(0, str(lesson))
-    config.stash[_SCORES] = defaultdict(lambda: {"passed": 0, "total": 0, "first_error": ""})
+    config.stash[_SCORES] = defaultdict(
+        lambda: {"passed": 0, "failed": 0, "skipped": 0, "total": 0, "first_error": "",
+                 "skip_reason": ""})
+    config.stash[_FAILURES] = []
+    if config.getoption("--grade") and config.option.verbose <= 0 and not _one_lesson(config):
+        # A whole-course grade: one line per failing test and the table, not every traceback.
+        # `-v`, or one lesson (`make grade LESSON=03`), shows the tracebacks.
+        config.option.tbstyle = "no"
+        config.option.reportchars = ""
+
+
+def _one_lesson(config) -> bool:
+    """True when the command line selects tests of a single lesson folder."""
+    lessons = set()
+    for arg in config.args:
+        parts = Path(str(arg).split("::")[0]).resolve().parts
+        found = [part for part in parts if re.fullmatch(r"l\d\d_\w+", part)]
+        if not found:
+            return False
+        lessons.add(found[0])
+    return len(lessons) == 1
 
 
 _SCORES = pytest.StashKey[dict]()
+_FAILURES = pytest.StashKey[list]()
 
 
 def pytest_report_header(config):
     return f"lesson tree (--target): {os.environ['DPT_TARGET']}"
+
+
+def _tree_note() -> str:
+    """Which tree was tested, said so that a green run on the answers is not taken for yours."""
+    target = Path(os.environ["DPT_TARGET"])
+    if target == (REPO / "solutions").resolve():
+        return ("tested: solutions/ (the reference answers), not your code; "
+                "grade yours with `make grade` or `pytest --target exercises --grade`")
+    return f"tested: {target}"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,29 +105,64 @@ def _first_error(report) -> str:
     text = getattr(report, "longreprtext", "") or ""
     m = re.search(r"NotImplementedError: (Task [^\n]+)", text)
     if m:
-        return "NotImplementedError: " + m.group(1)[:150]
+        return "NotImplementedError: " + m.group(1).strip()
     for line in text.splitlines():
         if line.startswith("E "):
-            return line[1:].strip()[:160]
-    return text.strip().splitlines()[-1][:160] if text.strip() else ""
+            return line[1:].strip()[:300]
+    return text.strip().splitlines()[-1][:300] if text.strip() else ""
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr or "")
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
+    """Count each graded test once: passed, failed (in setup, call or teardown) or skipped.
+
+    A skipped test is neither passed nor failed: it is left out of the score and shown apart.
+    """
     task = dict(report.user_properties).get("task")
+    if report.failed:
+        _config.stash[_FAILURES].append(
+            (report.nodeid, _first_error(report) or f"failed in {report.when}"))
     if task is None:
         return
     scores = _config.stash[_SCORES]
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        entry = scores[task]
+    entry = scores[task]
+    if report.when == "setup" and report.skipped:
+        entry["skipped"] += 1
         entry["total"] += 1
-        if report.passed or report.skipped:
+        entry["skip_reason"] = entry["skip_reason"] or _skip_reason(report)
+    elif report.when == "setup" and report.failed:
+        entry["failed"] += 1
+        entry["total"] += 1
+        entry["first_error"] = entry["first_error"] or _first_error(report)
+    elif report.when == "call":
+        entry["total"] += 1
+        if report.passed:
             entry["passed"] += 1
-            if report.skipped:
-                entry.setdefault("skipped", 0)
-                entry["skipped"] += 1
-        elif not entry["first_error"]:
-            entry["first_error"] = _first_error(report)
+        elif report.skipped:  # pytest.skip() inside the test
+            entry["skipped"] += 1
+            entry["skip_reason"] = entry["skip_reason"] or _skip_reason(report)
+        else:
+            entry["failed"] += 1
+            entry["first_error"] = entry["first_error"] or _first_error(report)
+    elif report.when == "teardown" and report.failed:
+        entry["failed"] += 1
+        entry["first_error"] = entry["first_error"] or _first_error(report)
+
+
+def task_state(entry: dict) -> str:
+    """``pass`` (every graded test passed), ``fail`` (any failed), or ``skipped`` (none ran)."""
+    if entry["failed"]:
+        return "fail"
+    if entry["passed"] == 0:
+        return "skipped"
+    return "pass"
 
 
 _config = None
@@ -106,31 +175,56 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
     if not config.getoption("--grade"):
+        tr.write_line(_tree_note())
         return
     scores = config.stash[_SCORES]
-    tr = terminalreporter
+    failures = config.stash[_FAILURES]
+    if failures and config.option.tbstyle == "no":
+        tr.section("failing tests (one line each; -v or one lesson for tracebacks)")
+        for nodeid, why in failures:
+            tr.write_line(f"{nodeid}: {why}")
     tr.section(f"grade: {os.environ['DPT_TARGET']}")
     by_lesson = defaultdict(list)
     for task in sorted(scores):
         by_lesson[task.split(".")[0]].append(task)
     tr.write_line(f"{'lesson':<8}{'task':<10}{'tests':>9}  result")
-    grand = [0, 0]
+    grand, skipped_tasks, skipped_tests = [0, 0], [], 0
     for lesson, tasks in sorted(by_lesson.items()):
-        done = sum(scores[t]["passed"] == scores[t]["total"] for t in tasks)
+        done = graded = 0
         for t in tasks:
             s = scores[t]
-            ok = s["passed"] == s["total"]
-            note = "pass" if ok else f"FAIL  {s['first_error']}"
-            tr.write_line(f"{lesson:<8}{t:<10}{s['passed']:>4}/{s['total']:<4}  {note}")
-        tr.write_line(f"{lesson:<8}{'score':<10}{done:>4}/{len(tasks):<4}  tasks complete")
+            state = task_state(s)
+            skipped_tests += s["skipped"]
+            ran = s["passed"] + s["failed"]
+            extra = f" (+{s['skipped']} skipped)" if s["skipped"] else ""
+            if state == "skipped":
+                skipped_tasks.append(t)
+                note = f"SKIPPED  {s['skip_reason']}"
+            elif state == "pass":
+                note = "pass" + extra
+            else:
+                note = f"FAIL{extra}  {s['first_error']}"
+            if state != "skipped":
+                graded += 1
+                done += state == "pass"
+            tr.write_line(f"{lesson:<8}{t:<10}{s['passed']:>4}/{ran:<4}  {note}")
+        tr.write_line(f"{lesson:<8}{'score':<10}{done:>4}/{graded:<4}  tasks complete")
         grand[0] += done
-        grand[1] += len(tasks)
+        grand[1] += graded
     tr.write_line(f"{'total':<8}{'':<10}{grand[0]:>4}/{grand[1]:<4}  tasks complete")
+    if skipped_tests:
+        reasons = sorted({scores[t]["skip_reason"] for t in scores if scores[t]["skip_reason"]})
+        tr.write_line(f"score incomplete: {skipped_tests} test(s) skipped, left out of the score"
+                      + (f" ({len(skipped_tasks)} task(s) not graded at all)"
+                         if skipped_tasks else "") + "; why: " + "; ".join(reasons))
     path = config.getoption("--grade-json")
     if path:
-        Path(path).write_text(json.dumps({"target": os.environ["DPT_TARGET"],
-                                          "tasks": dict(scores)}, indent=2))
+        Path(path).write_text(json.dumps({
+            "target": os.environ["DPT_TARGET"],
+            "tasks": {t: dict(v, state=task_state(v)) for t, v in scores.items()},
+            "complete": not skipped_tests}, indent=2))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -15,6 +15,12 @@ from tests.lessons import REPO
 TINY = ["--batch-size", "8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--no-sweep"]
 
 
+def _why(rec: dict) -> str:
+    """A record's status with its whole error text, for an assertion message."""
+    return (f"{rec['method']} at N={rec['nprocs']}: {rec['status']}\n"
+            f"{rec.get('detail') or rec.get('error') or '(no error text)'}")
+
+
 def _bench(tmp_path, *args, timeout=240):
     """Run the harness CLI in a subprocess, as `make benchmark` does."""
     env = dict(os.environ, DPT_BENCH_EXTRA="tests.harness.bench_methods", MPLBACKEND="Agg",
@@ -35,7 +41,7 @@ def test_quick_run_writes_json_csv_and_plots(tmp_path):
     recs = {(r["method"], r["nprocs"]): r for r in result["records"]}
     assert set(recs) == {(m, n) for m in ("independent", "ddp_no_buffer_broadcast") for n in (1, 2)}
     for r in recs.values():
-        assert r["status"] == "ok", r
+        assert r["status"] == "ok", _why(r)
         for key in ("samples_per_s", "step_s", "peak_mem_mb", "final_loss", "speedup",
                     "efficiency", "threads_per_rank"):
             assert key in r, key
@@ -71,7 +77,7 @@ def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_ran
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = {r["method"]: r for r in json.loads((tmp_path / "latest.json").read_text())["records"]}
     for name in ("ddp_torchrun", "lightning_ddp", "ddp_spawn"):
-        assert recs[name]["status"] == "ok", recs[name]
+        assert recs[name]["status"] == "ok", _why(recs[name])
         assert recs[name]["samples_per_s"] > 0 and "comm_s" in recs[name]
     # Same model, same start, same data, same optimizer: the launcher or the wrapper must not
     # change what is trained.

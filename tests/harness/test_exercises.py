@@ -1,5 +1,7 @@
 """The generator of exercises/ and notebooks/, and the drift between them and solutions/."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -72,20 +74,45 @@ def test_every_task_has_tests_and_every_test_task_exists():
     assert marked - tasks == set(), f"tests for tasks that do not exist: {sorted(marked - tasks)}"
 
 
-@pytest.mark.slow
-def test_stubs_fail_each_with_their_own_task_message(tmp_path):
-    """`make grade` on the untouched exercises: every task fails, naming itself."""
+def _grade_exercises(tmp_path, env=None):
     out = tmp_path / "grade.json"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--target", str(REPO / "exercises"), "--grade",
          "--grade-json", str(out), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-m", "not slow", "--timeout", "120", str(REPO / "tests")],
-        capture_output=True, text=True, timeout=1200, cwd=REPO)
+        capture_output=True, text=True, timeout=1200, cwd=REPO,
+        env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    import json
+    return json.loads(out.read_text()), proc.stdout
 
-    scores = json.loads(out.read_text())["tasks"]
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_stubs_fail_each_with_their_own_task_message(tmp_path):
+    """`make grade` on the untouched exercises: every task fails, naming itself."""
+    result, _ = _grade_exercises(tmp_path)
+    scores = result["tasks"]
     assert scores, "no task was graded"
     for task, s in scores.items():
-        assert s["passed"] < s["total"], f"task {task} passes on its stub"
+        assert s["state"] == "fail", f"task {task} is {s['state']} on its stub: {s}"
         assert f"Task {task}" in s["first_error"], f"task {task} failed with: {s['first_error']}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1300)
+def test_without_data_the_stubs_still_score_nothing_and_the_grade_says_it_is_incomplete(
+        tmp_path):
+    """Data missing: skipped tests count neither way, no stub scores, and the grade says why."""
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    result, stdout = _grade_exercises(tmp_path, env={
+        "DPT_DATA": str(empty), "DPT_DEBIAN_DIR": str(empty), "DPT_OFFLINE": "1"})
+    scores = result["tasks"]
+    assert scores, "no task was graded"
+    for task, s in scores.items():
+        assert s["state"] != "pass", f"task {task} passes on its stub without data: {s}"
+        assert s["passed"] == 0, f"task {task}: {s['passed']} test(s) pass on the stub: {s}"
+    skipped = sum(s["skipped"] for s in scores.values())
+    assert skipped > 0, "no test needed the data: this test no longer checks anything"
+    assert result["complete"] is False
+    assert "score incomplete" in stdout and "make data" in stdout, stdout[-2000:]

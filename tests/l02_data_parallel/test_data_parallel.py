@@ -409,10 +409,15 @@ def test_training_cli_rejects_bad_input_with_one_line(dp_mod, capsys, args, need
 
 
 class _AsyncDevice:
-    """Forward only queues work (like a GPU); synchronize() is when it is paid for."""
+    """Forward only queues work (like a GPU); synchronize() is when it is paid for.
+
+    Time is virtual: the clocks the timing code may read (``time.perf_counter``,
+    ``time.monotonic``, ``time.time``) advance only when queued work is paid for, so the
+    result is exact whatever the machine's load.
+    """
 
     def __init__(self, costs):
-        self.costs, self.calls, self.pending = costs, 0, 0.0
+        self.costs, self.calls, self.pending, self.now = costs, 0, 0.0, 1000.0
         self.grad_modes = []
 
     def model(self, x):
@@ -422,8 +427,11 @@ class _AsyncDevice:
         return x
 
     def synchronize(self, device):
-        time.sleep(self.pending)
+        self.now += self.pending
         self.pending = 0.0
+
+    def clock(self):
+        return self.now
 
 
 @pytest.mark.task("02.9")
@@ -432,10 +440,15 @@ def test_timing_warms_up_synchronizes_and_takes_the_median(timing, monkeypatch):
     # 3 slow warm-up calls, then 5 timed ones of 20 ms, one of them a 500 ms outlier.
     fake = _AsyncDevice([0.2, 0.2, 0.2, 0.02, 0.02, 0.5, 0.02, 0.02])
     monkeypatch.setattr(timing, "synchronize", fake.synchronize)
+    for name in ("perf_counter", "monotonic", "time"):
+        monkeypatch.setattr(time, name, fake.clock)
     secs = timing.time_forward(fake.model, torch.zeros(1), "cpu", warmup=3, repeats=5)
+    monkeypatch.undo()
     assert fake.calls == 8, "warmup + repeats calls of the model"
-    assert secs >= 0.015, "the clock was read before synchronize(device): queued work missed"
-    assert secs < 0.08, "warm-up calls were timed, or the mean was taken instead of the median"
+    assert secs > 0, "the clock was read before synchronize(device): queued work missed"
+    assert secs == pytest.approx(0.02), (
+        f"median {secs:.3f} s, expected 0.020: warm-up calls were timed, the mean was taken "
+        "instead of the median, or the clock was read before synchronize(device)")
     assert not any(fake.grad_modes), "inference is timed under torch.no_grad()"
 
 

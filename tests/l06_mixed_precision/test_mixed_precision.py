@@ -254,55 +254,86 @@ def test_under_autocast_conv_and_linear_are_bf16_loss_and_master_weights_fp32(am
     assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.float32}
 
 
-def _train(amp, dtype, steps, factory, batch_size, x, y, lr=0.05):
+def _eval_loss(model, x, y) -> float:
+    """Mean cross-entropy over a fixed held-out set, in fp32 (no autocast)."""
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y).item()
+
+
+def _train_eval(amp, dtype, steps, factory, batch_size, data, order, lr=0.02):
+    """Train ``steps`` steps from one fixed init in one data order; return held-out losses."""
+    x, y, xt, yt = data
     torch.manual_seed(0)
     model = factory()
     opt = _sgd(model, lr=lr)
-    g = torch.Generator().manual_seed(0)
-    losses = []
+    before = _eval_loss(model, xt, yt)
+    g = torch.Generator().manual_seed(order)
     for _ in range(steps):
         idx = torch.randint(0, len(x), (batch_size,), generator=g)
-        losses.append(amp.amp_train_step(model, (x[idx], y[idx]), opt, CPU, dtype)["loss"])
-    return losses
+        amp.amp_train_step(model, (x[idx], y[idx]), opt, CPU, dtype)
+    return before, _eval_loss(model, xt, yt)
 
 
-# Tolerance. bf16 keeps 8 significant bits (relative rounding error up to 2**-8 = 0.4 %) in
-# the forward's matmuls/convs; the loss, the gradients' accumulation into fp32 weights and
-# the optimizer stay fp32. After a few steps the two runs follow different trajectories (any
-# difference is amplified by SGD), so comparing step by step is meaningless. What must hold:
-# both learn, and the mean loss over the last 100 steps (which averages out minibatch noise,
-# about +-0.03 nats for these windows; measured here: MLP 1.385 vs 1.398, ConvNet 1.30 vs 1.36) differs by less than 0.1 nats, i.e. less than the
-# spread between two fp32 runs with different data orders. A bf16 run that diverged, or that
-# lost its small updates (pure bf16 weights would), misses this by far more.
-TOLERANCE = 0.1
+# The property: training under bf16 autocast learns about as well as fp32 training.
+#
+# What we compare, and why it holds on any CPU. bf16 keeps 8 significant bits in the forward's
+# matmuls/convs, so after a few steps a bf16 run and an fp32 run follow different trajectories,
+# and CPUs with native bf16 (avx512_bf16, AMX) and without it (emulated) take different ones
+# again. Comparing step by step, or the noisy training loss of single runs, is therefore not a
+# property of the student's code. Instead each run is scored by its loss on a fixed held-out set
+# of 2000 test images (averaging out minibatch noise), for the same init and the same data
+# order in both precisions, over three data orders; a small learning rate keeps fp32 itself
+# stable. Then:
+# - both learn: the held-out loss falls below LEARNED of its starting value (2.3 -> < 0.8;
+#   measured 0.44-0.61 on both kinds of CPU);
+# - bf16 is not worse than fp32 by more than TOLERANCE nats on the mean over the three orders.
+#   One-sided: bf16 doing *better* is fine. Measured paired differences (bf16 - fp32), MLP and
+#   ConvNet, on a CPU with avx512_bf16 and on one without: -0.035 .. +0.014 per order, so the
+#   mean stays within +-0.02; the spread of fp32 alone between data orders is 0.03-0.1 nats.
+#   A step that does not train under bf16 (say the optimizer step skipped, or gradients lost)
+#   misses by more than 1 nat. Pure bf16 *weights* learn as well at this scale; that bug is
+#   caught by the dtype test above (master weights must stay fp32), not here.
+LEARNED = 0.35
+TOLERANCE = 0.05
+ORDERS = (0, 1, 2)
 
 
 def _compare(amp, factory, steps, batch_size):
     from dpt.data import load_tensors
 
     x, y = load_tensors("fashion-mnist", train=True)
-    fp32 = _train(amp, None, steps, factory, batch_size, x, y)
-    bf16 = _train(amp, torch.bfloat16, steps, factory, batch_size, x, y)
-    first = sum(fp32[:10]) / 10
-    tail32, tail16 = sum(fp32[-100:]) / 100, sum(bf16[-100:]) / 100
-    assert tail32 < 0.8 * first and tail16 < 0.8 * first, (first, tail32, tail16)  # both learn
-    assert abs(tail16 - tail32) < TOLERANCE, (tail32, tail16)
+    xt, yt = load_tensors("fashion-mnist", train=False, limit=2000)
+    data = (x, y, xt, yt)
+    runs = {name: [_train_eval(amp, dtype, steps, factory, batch_size, data, order)
+                   for order in ORDERS]
+            for name, dtype in (("fp32", None), ("bf16", torch.bfloat16))}
+    for name, results in runs.items():
+        for order, (before, after) in zip(ORDERS, results):
+            assert after < LEARNED * before, (
+                f"{name} training did not learn (data order {order}): held-out loss "
+                f"{before:.3f} -> {after:.3f}; expected below {LEARNED * before:.3f}")
+    mean = {name: sum(after for _, after in results) / len(results)
+            for name, results in runs.items()}
+    assert mean["bf16"] - mean["fp32"] < TOLERANCE, (
+        f"bf16 held-out loss {mean['bf16']:.4f} is worse than fp32's {mean['fp32']:.4f} by "
+        f"more than {TOLERANCE} nats (mean of {len(ORDERS)} data orders): does the bf16 path "
+        "compute the same loss and take the same optimizer step as fp32?")
 
 
 @pytest.mark.task("06.1")
-@pytest.mark.slow  # ~20 s on two idle cores (bf16 is emulated on CPUs without AMX/AVX512-BF16)
+@pytest.mark.slow  # ~3 s on two idle cores
 @requires_data
 @pytest.mark.timeout(300)
-def test_bf16_training_on_cpu_reaches_fp32_loss_mlp(amp):
-    _compare(amp, MLP, steps=200, batch_size=16)
+def test_bf16_training_on_cpu_learns_as_well_as_fp32_mlp(amp):
+    _compare(amp, MLP, steps=300, batch_size=64)
 
 
 @pytest.mark.task("06.1")
-@pytest.mark.slow
+@pytest.mark.slow  # ~35 s on two idle cores (bf16 is emulated on CPUs without AVX512-BF16)
 @requires_data
 @pytest.mark.timeout(400)
-def test_bf16_training_on_cpu_reaches_fp32_loss_convnet(amp):
-    _compare(amp, ConvNet, steps=200, batch_size=8)
+def test_bf16_training_on_cpu_learns_as_well_as_fp32_convnet(amp):
+    _compare(amp, ConvNet, steps=100, batch_size=32)
 
 
 @requires_cuda

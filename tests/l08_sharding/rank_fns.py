@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dpt.dist import device_mesh
 from dpt.models import ConvNet
 from tests.lessons import load
 
@@ -156,9 +157,10 @@ def reference_memory(rank, world_size):
         torch.manual_seed(0)
         model = ConvNet()
         if stage == "zero3":
+            mesh = device_mesh()  # not the accelerator's default mesh: see dpt.dist.device_mesh
             for block in (model.layer1, model.layer2, model.fc):
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         else:
             model = DDP(model)
@@ -177,9 +179,10 @@ def reference_memory(rank, world_size):
 def _torch_shard(model):
     from torch.distributed.fsdp import fully_shard
 
+    mesh = device_mesh()
     for block in (model.layer1, model.layer2, model.fc):
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def fsdp_vs_ddp(rank, world_size, steps=4, state_dict=False, own_shard=True):

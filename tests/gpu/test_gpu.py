@@ -1,0 +1,99 @@
+"""The GPU paths, run for real on CUDA: `make gpu-check` runs these first.
+
+On a machine without CUDA every test here is skipped with its reason; they are written for
+one GPU (``gpu``) or two and more (``gpu2``: NCCL, one rank per GPU). The rest of the suite
+runs on the CPU with gloo on every machine (see tests/conftest.py), so these are where the
+CUDA tensors, NCCL collectives and device meshes are exercised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dpt.testing import run_distributed
+from tests.gpu import rank_fns
+from tests.lessons import load
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+gpu = pytest.mark.skipif(N_GPUS < 1, reason="needs a CUDA GPU")
+gpu2 = pytest.mark.skipif(N_GPUS < 2, reason="needs 2 or more CUDA GPUs (NCCL, one per rank)")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+@gpu
+def test_precision_auto_is_bf16_only_where_the_gpu_has_it_natively():
+    amp = load("06_mixed_precision", "amp_train")
+    device = torch.device("cuda", 0)
+    dtype, scaler = amp.choose_precision(device, "auto")
+    native = torch.cuda.get_device_properties(device).major >= 8
+    assert (dtype, scaler) == ((torch.bfloat16, False) if native else (torch.float16, True))
+
+
+@gpu
+def test_fp16_step_skips_an_injected_inf_and_backs_off():
+    from dpt.models import ConvNet
+
+    amp = load("06_mixed_precision", "amp_train")
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = ConvNet().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = amp.make_scaler(device, True)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g))
+    out = amp.amp_train_step(model, batch, opt, device, torch.float16, scaler, max_norm=1.0)
+    assert math.isfinite(out["loss"]) and not out["skipped"]
+    before = [p.detach().clone() for p in model.parameters()]
+    out = amp.amp_train_step(model, amp.inject_inf(batch), opt, device, torch.float16, scaler)
+    assert out["skipped"] and scaler.get_scale() == out["scale"] / 2
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)  # the step was skipped
+
+
+@gpu
+def test_gloo_ranks_on_a_gpu_machine_shard_on_the_cpu():
+    """FSDP2 without a mesh would take the accelerator's: cuda, for gloo ranks."""
+    for mode in ("fsdp2", "ddp"):
+        ranks = run_distributed(rank_fns.fsdp2_worker, world_size=2, backend="gloo",
+                                args=(mode,), timeout=240)
+        assert {r["device"] for r in ranks} == {"cpu"}
+
+
+@gpu2
+def test_nccl_all_reduce_on_each_ranks_gpu():
+    ranks = run_distributed(rank_fns.all_reduce_on_rank_device, world_size=2,
+                            backend="nccl", timeout=120)
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+    assert all(r["backend"] == "nccl" and r["sum"] == [3.0] * 4 for r in ranks)
+
+
+@gpu2
+def test_fsdp2_on_nccl_trains_like_ddp():
+    fsdp = run_distributed(rank_fns.fsdp2_worker, world_size=2, backend="nccl",
+                           args=("fsdp2",), timeout=240)
+    ddp = run_distributed(rank_fns.fsdp2_worker, world_size=2, backend="nccl",
+                          args=("ddp",), timeout=240)
+    assert [r["device"] for r in fsdp] == ["cuda:0", "cuda:1"]
+    # Reductions in another order on GPU: close, not bit-equal.
+    assert fsdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-3, abs=1e-4)
+
+
+@gpu2
+def test_sharded_optimizer_on_nccl_matches_plain_adam():
+    ranks = run_distributed(rank_fns.zero_demo, world_size=2, backend="nccl", timeout=240)
+    assert all(r["max_diff"] < 1e-4 for r in ranks)
+
+
+@gpu2
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_ddp_autocast_on_nccl_keeps_ranks_in_sync(precision):
+    if precision == "bf16" and torch.cuda.get_device_properties(0).major < 8:
+        pytest.skip("bf16 is emulated before compute capability 8.0")
+    ranks = run_distributed(rank_fns.amp_ddp, world_size=2, backend="nccl",
+                            args=(precision,), timeout=240)
+    assert all(r["allreduce_dtypes"] == ["torch.float32"] for r in ranks)
+    torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"])
