@@ -95,7 +95,10 @@ def sweep(batch_sizes: list[int], n_devices: int, model_name: str = "fashioncnn"
             f"1 device, {n_devices * t} threads (intra-op)": model,
         }
         threads = dict(zip(variants, (t, None, n_devices * t)))
-        result.update(kind="cpu", label=f"{cpu_budget()}-core CPU, no GPU",
+        unused = (", no GPU" if gpus == 0 else
+                  f"; its {gpus} GPU(s) unused" if gpus < 2 else
+                  f"; {gpus} GPUs, but --devices {n_devices}")
+        result.update(kind="cpu", label=f"{cpu_budget()}-core CPU{unused}",
                       threads_per_device=t)
     result["lines"] = {name: [] for name in variants}
     for b in batch_sizes:

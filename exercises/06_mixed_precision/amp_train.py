@@ -65,6 +65,16 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cuda_has_native_bf16(device: torch.device | None = None) -> bool:
+    """bf16 in hardware: compute capability 8.0 (Ampere) or newer.
+
+    ``torch.cuda.is_bf16_supported()`` also answers yes on older GPUs (a T4, a V100), where
+    bf16 is emulated and slower than fp16; only ``including_emulation=False`` excludes them.
+    Asking about ``device`` itself also avoids touching another rank's GPU.
+    """
+    return torch.cuda.get_device_properties(device).major >= 8
+
+
 def choose_precision(device: torch.device, requested: str = "auto") -> tuple[torch.dtype | None, bool]:
     """Return ``(autocast dtype or None for fp32, whether a GradScaler is needed)``.
 
@@ -76,7 +86,7 @@ def choose_precision(device: torch.device, requested: str = "auto") -> tuple[tor
         raise PrecisionError(f"unknown precision {requested!r}; choose one of {', '.join(PRECISIONS)}")
     if requested == "auto":
         if device.type == "cuda":
-            requested = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            requested = "bf16" if cuda_has_native_bf16(device) else "fp16"
         elif device.type == "cpu" and cpu_has_fast_bf16():
             requested = "bf16"
         else:

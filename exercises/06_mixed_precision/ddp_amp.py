@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from dpt.data import DataError, TensorLoader, check_batch_size, load_tensors, prepare_distributed
-from dpt.device import DeviceError, pick_device
-from dpt.dist import cleanup, find_free_port, rank0_print, setup
+from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
+from dpt.dist import cleanup, find_free_port, rank0_print, rank_device, setup
 from dpt.models import build_model
 
 
@@ -91,17 +91,21 @@ def synthetic_data(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 def train_ddp(rank: int, world_size: int, precision: str = "bf16", steps: int = 20,
               batch_size: int = 32, data: str = "synthetic", lr: float = 0.02,
-              device: str = "cpu", seed: int = 0, clip: float | None = 1.0,
+              device: str = "auto", seed: int = 0, clip: float | None = 1.0,
               force_scaler: bool = False) -> dict:
     """One rank of DDP training with autocast. Joins the process group unless already in one.
 
+    ``device`` is used when this function starts the group itself (``auto``: this rank's GPU
+    under NCCL, else the CPU with gloo); inside an existing group, the group's backend decides
+    (``dpt.dist.rank_device``), so a gloo group never gets CUDA tensors, nor NCCL CPU ones.
     Returns what the tests and the notebook look at: losses, the dtypes DDP all-reduced,
     the parameters' dtypes, a flat copy of the final parameters, and the scaler's scale.
     """
     own_group = not dist.is_initialized()
-    dev = setup(rank, world_size, rank, device) if own_group else pick_device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", rank)
+    if own_group:  # this machine's GPU number is the local rank, not the global one
+        dev = setup(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)), device)
+    else:  # already in a group (the tests, the notebook): its backend decides the device
+        dev = rank_device()
     try:
         dtype, needs_scaler = choose_precision(dev, precision)
         torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts them)
@@ -163,7 +167,7 @@ def _report(result: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precision", default="bf16", choices=("32", "bf16", "fp16", "auto"))
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=32)
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         check_batch_size(args.batch_size)
         if args.nprocs < 1:
             raise ValueError(f"--nprocs must be >= 1, got {args.nprocs}")
-        dev = pick_device(args.device)
+        dev = pick_device(args.device, distributed=True)
         choose_precision(dev, args.precision)  # fail here, once, not in every rank
         if dev.type == "cuda" and args.nprocs > torch.cuda.device_count():
             raise DeviceError(f"--nprocs {args.nprocs} needs {args.nprocs} GPUs; this machine "

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dpt.dist import device_mesh, rank_device
 from dpt.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
@@ -47,6 +48,9 @@ def shard_model(model: nn.Module, blocks: list[nn.Module] | None = None, **fsdp_
     from torch.distributed.fsdp import fully_shard
 
     blocks = default_blocks(model) if blocks is None else blocks
+    # Without a mesh, fully_shard takes the machine's accelerator even for gloo ranks; this
+    # mesh is on the device the rank computes on (the CPU under gloo, its GPU under NCCL).
+    fsdp_kwargs.setdefault("mesh", device_mesh())
     raise NotImplementedError("Task 08.4: fully_shard each block (its own all-gather unit), then the root")
     return model
 
@@ -96,11 +100,14 @@ def fashion_batches(rank: int, world_size: int, batch_size: int, seed: int = 0):
         epoch += 1
 
 
-def wrap(model: nn.Module, mode: str) -> nn.Module:
+def wrap(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """Shard ``model`` (already on ``device``) with FSDP2, or replicate it with DDP."""
     if mode == "fsdp2":
         return shard_model(model)
     if mode == "ddp":
-        return DDP(model) if dist.is_initialized() and dist.get_world_size() > 1 else model
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return model
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     raise ValueError(f"unknown mode {mode!r}; choose fsdp2 or ddp")
 
 
@@ -112,8 +119,9 @@ def train_worker(rank: int, world_size: int, mode: str = "fsdp2", steps: int = 5
 
     Run on every rank with the process group initialized (``run_distributed``).
     """
+    device = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
     torch.manual_seed(seed)
-    model = wrap(build_model(model_name), mode)
+    model = wrap(build_model(model_name).to(device), mode, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     batches = (fashion_batches(rank, world_size, batch_size, seed) if data == "fashion-mnist"
                else (synthetic_batch(rank, s, batch_size, seed) for s in range(steps)))
@@ -123,7 +131,7 @@ def train_worker(rank: int, world_size: int, mode: str = "fsdp2", steps: int = 5
         from tqdm import tqdm
         bar = tqdm(bar, desc=f"{mode} x{world_size}")
     for _ in bar:
-        x, y = next(batches)
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -162,7 +170,8 @@ def lightning_fsdp_trainer(accelerator: str = "auto", devices: int = 2, **traine
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (CPU processes, gloo)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks: one per GPU with NCCL when there are enough GPUs, else CPU processes "
+                         "with gloo")
     ap.add_argument("--mode", choices=["fsdp2", "ddp"], default="fsdp2")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
         from dpt.testing import run_distributed
 
         results = run_distributed(
-            train_worker, world_size=args.nproc, backend="gloo", timeout=args.timeout,
+            train_worker, world_size=args.nproc, backend="auto", timeout=args.timeout,
             threads=threads_per_rank(args.nproc), echo=False,
             kwargs={"mode": args.mode, "steps": args.steps, "batch_size": args.batch_size,
                     "lr": args.lr, "data": args.data, "save": args.save, "progress": True})

@@ -146,17 +146,22 @@ def demo_worker(rank: int, world_size: int, steps: int = 5, seed: int = 0) -> di
     from torch.nn.parallel import DistributedDataParallel as DDP
     from zero_accounting import optimizer_state_bytes
 
+    from dpt.dist import rank_device
     from dpt.models import ConvNet
 
+    device = rank_device()  # the CPU under gloo, this rank's GPU under NCCL
+    ids = [device.index] if device.type == "cuda" else None
     torch.manual_seed(seed)
-    base = ConvNet()
-    plain_model, sharded_model = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    base = ConvNet().to(device)
+    plain_model = DDP(copy.deepcopy(base), device_ids=ids)
+    sharded_model = DDP(copy.deepcopy(base), device_ids=ids)
     plain = torch.optim.Adam(plain_model.parameters(), lr=1e-3, weight_decay=0.01)
     sharded = ShardedOptimizer(sharded_model.parameters(), torch.optim.Adam, lr=1e-3,
                                weight_decay=0.01)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     for _ in range(steps):
         x, y = torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+        x, y = x.to(device), y.to(device)
         for model, opt in ((plain_model, plain), (sharded_model, sharded)):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
