@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 data: setup
-	$(PY) -m dpt.data fashion-mnist --optional mnist
+	$(PY) -m dpt.data fashion-mnist mnist
 
 test: setup data
 	$(PY) -m pytest -n $(JOBS) $(LESSON_TESTS) $(PYTEST_ARGS)
