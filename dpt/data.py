@@ -429,9 +429,13 @@ def prepare(name: str = DEFAULT_DATASET, root: Path | str | None = None,
 
     if verify_present(name, root, md5s, log):
         return root
-    root.mkdir(parents=True, exist_ok=True)
     for label, source in SOURCES:
-        staging = Path(tempfile.mkdtemp(prefix=f".{dataset_info(name).folder}-", dir=root))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{dataset_info(name).folder}-", dir=root))
+        except OSError as exc:
+            raise DataError(f"{how_to_get(name, root)} (cannot write to {root}: "
+                            f"{exc.strerror or exc})") from None
         try:
             if source(name, root, staging, log, download) and _install(
                     name, staging, root, label, md5s, log):
