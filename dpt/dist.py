@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dpt.device import backend_for, pick_device
+from dpt.device import backend_for, mps_note, pick_device
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DPT_DIST_TIMEOUT", "120"))
 
@@ -77,6 +77,9 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
     local_rank = env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
     local_world = env_int("LOCAL_WORLD_SIZE", world_size)
     dev = pick_device(device, distributed=True)
+    note = mps_note(dev) if rank == 0 else None
+    if note:
+        print(note, flush=True)
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "

@@ -28,6 +28,7 @@ import torch
 from lit_fashion import FashionDataModule, LitClassifier
 
 from dpt.data import DataError
+from dpt.device import mps_available
 from dpt.dist import set_threads, threads_per_rank
 
 CPU_STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_notebook")
@@ -61,9 +62,27 @@ def check_choices(accelerator: str, strategy: str, precision: str, devices: int,
                          "Lightning would silently switch to bf16-mixed, so ask for that instead")
 
 
+def resolve_accelerator(accelerator: str, devices: int, cuda_available: bool,
+                        mps_available: bool) -> str:
+    """The accelerator to hand Lightning. Apple's MPS serves one process only: no distributed
+    backend supports it, so ``auto`` with several devices on a Mac means the CPU, and an
+    explicit ``mps`` with several devices is refused."""
+    if accelerator == "mps" and devices > 1:
+        raise UsageError(f"--accelerator mps --devices {devices}: MPS trains in one process "
+                         "only (no distributed backend supports it); use --devices 1, or "
+                         "--accelerator cpu for several processes")
+    if accelerator == "mps" and not mps_available:
+        raise UsageError("--accelerator mps needs Apple's MPS, which this machine lacks")
+    if accelerator == "auto" and devices > 1 and not cuda_available and mps_available:
+        print(f"note: {devices} devices on a Mac run as {devices} CPU processes with gloo "
+              "(MPS serves one process only)", file=sys.stderr)
+        return "cpu"
+    return accelerator
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "auto"])
+    ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda", "mps", "auto"])
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--strategy", default="auto", choices=CPU_STRATEGIES + GPU_STRATEGIES)
     ap.add_argument("--precision", default="32-true", choices=PRECISIONS)
@@ -103,6 +122,8 @@ class SaveAtEnd(pl.Callback):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        args.accelerator = resolve_accelerator(args.accelerator, args.devices,
+                                               torch.cuda.is_available(), mps_available())
         check_choices(args.accelerator, args.strategy, args.precision, args.devices,
                       torch.cuda.is_available(), importlib.util.find_spec("deepspeed") is not None)
         if args.epochs < 1:
