@@ -6,7 +6,9 @@ notebook against another tree by setting ``DPT_TARGET`` (``solutions`` or a path
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -23,5 +25,58 @@ def use_lesson(lesson: str, default_tree: str = "exercises") -> Path:
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     os.environ.setdefault("TQDM_MININTERVAL", "5")
+    _autoreload()
     print(f"lesson code from: {folder.relative_to(REPO_ROOT) if folder.is_relative_to(REPO_ROOT) else folder}")
     return folder
+
+
+def _autoreload() -> bool:
+    """In Jupyter, re-import edited lesson files before every cell (IPython's autoreload).
+
+    Without it the kernel keeps the module it imported first, so a fixed exercise still raises
+    its old NotImplementedError in the notebook while rank processes already run the new code.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None or "autoreload" in getattr(shell, "_dpt_done", ()):
+        return False
+    shell.run_line_magic("load_ext", "autoreload")
+    shell.run_line_magic("autoreload", "2")
+    shell._dpt_done = {"autoreload"}
+    return True
+
+
+TASK = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?)|^(Task \d\d\.\d+[a-z]?)")
+
+
+def pending_task(exc: BaseException) -> str | None:
+    """'Task NN.K' when ``exc`` is (or carries, from a rank) a task's NotImplementedError."""
+    text = str(exc)
+    if isinstance(exc, NotImplementedError):
+        m = TASK.search(text)
+        return (m.group(1) or m.group(2)) if m else None
+    if type(exc).__name__ == "RankFailure":
+        m = TASK.search(text)
+        return m.group(1) if m else None
+    return None
+
+
+@contextlib.contextmanager
+def needs_tasks():
+    """Run a notebook cell; when it reaches a task not done yet, say which one and move on.
+
+    ``with needs_tasks(): ...`` around a cell's code lets a student with half a lesson done run
+    the notebook to the end: cells whose tasks are done show their results, the others print
+    ``skipped: needs Task NN.K`` instead of a traceback.
+    """
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it is a pending task
+        task = pending_task(exc)
+        if task is None:
+            raise
+        print(f"skipped: this cell needs {task}, which is not done yet. Solve it in your "
+              "exercises/ folder, then re-run this cell.")

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,6 +42,12 @@ def pytest_configure(config):
     # every machine (dpt.dist.rank_device follows the backend), so a GPU box gives the same
     # results as a laptop. The GPU tests (tests/gpu, `make gpu-check`) ask for NCCL by name.
     os.environ.setdefault("DPT_TEST_BACKEND", "gloo")
+    # One intra-op thread per test process: `-n 2` runs two processes on two cores, and a
+    # loaded machine turns OpenMP's spinning threads into waits of minutes (a 3 s test took
+    # over 300 s with default threads under a CPU hog). Ranks get theirs from run_distributed.
+    threads = int(os.environ.get("DPT_TEST_THREADS", "1"))
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     # Every lesson folder goes on sys.path now, before any rank process is started, so that
     # fork-server children import lesson modules from the same tree.
     for lesson in sorted(p for p in target.iterdir() if p.is_dir() and p.name[:2].isdigit()):
