@@ -449,7 +449,7 @@ def latest_results(runs: Path = RUNS, reference: Path = REFERENCE) -> tuple[Path
     """The results to show: your latest run if there is one, else the committed reference."""
     for cand in (runs / "latest" / "results.json",):
         if cand.is_file():
-            return cand, "your latest run"
+            return cand.resolve(), "your latest run"  # the stamped folder: when it ran
     pointer = runs / "LATEST"  # where the file system has no symbolic links
     if pointer.is_file() and (runs / pointer.read_text().strip() / "results.json").is_file():
         return runs / pointer.read_text().strip() / "results.json", "your latest run"
