@@ -102,7 +102,7 @@ def machine_load(before: dict, after: dict, ours_cpu_s: float, hz: int = 100) ->
     """
     wall = max(1e-9, after["t"] - before["t"])
     out = {"wall_s": wall, "load1": after.get("load1"), "steal": None, "foreign_cores": None,
-           "cpus": None}
+           "cpus": None, "ours_cpu_s": ours_cpu_s}
     a, b = before.get("stat"), after.get("stat")
     if a and b:
         d = [y - x for x, y in zip(a, b)]

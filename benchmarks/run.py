@@ -543,13 +543,14 @@ def method_styles(names: list[str]) -> dict[str, tuple]:
 
     cmap = matplotlib.colormaps["tab20"]
     order = list(dict.fromkeys(list(load_all()) + list(names)))
-    return {name: (cmap(i % 20), _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(order)}
+    colours = [cmap(i) for i in range(0, 20, 2)] + [cmap(i) for i in range(1, 20, 2)]
+    return {name: (colours[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(order)}
 
 
-def _busy_note(fig, result: dict) -> None:
+def _busy_note(fig, result: dict, marked: str) -> None:
     if (result.get("verdict") or {}).get("busy"):
-        fig.text(0.01, 0.005, f"hatched = {BUSY} (see summary.md)", color="firebrick",
-                 fontsize=8, ha="left", va="bottom")
+        fig.text(0.01, 0.005, f"{marked}: {BUSY} (the reasons are in summary.md)",
+                 color="firebrick", fontsize=8, ha="left", va="bottom")
 
 
 def _grouped_bars(ax, recs, methods, styles, key: str, ideal, ylabel: str) -> None:
@@ -583,7 +584,7 @@ def _grouped_bars(ax, recs, methods, styles, key: str, ideal, ylabel: str) -> No
     if any(r.get("reliability") == BUSY for r in recs):
         handles.append(Patch(facecolor="white", edgecolor="firebrick", hatch="///",
                              label=BUSY))
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.9)
 
 
 def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list[Path]:
@@ -602,8 +603,8 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
                else "one run, no intervals")
     cm = result.get("cost_model")
 
-    def save(fig, name):
-        _busy_note(fig, result)
+    def save(fig, name, marked="hatched bars"):
+        _busy_note(fig, result, marked)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         paths.append(out / name)
         fig.savefig(paths[-1], dpi=110)
@@ -642,7 +643,7 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         ax.set_ylabel("speedup")
         ax.set_title(f"Speedup over N ({ci_note}): {label}", fontsize=9)
         ax.legend(fontsize=7, ncol=2)
-        save(fig, "scaling.png")
+        save(fig, "scaling.png", marked="some results")
 
     split = [r for r in recs if "comm_s" in r and r["nprocs"] > 1]
     if split:
@@ -650,14 +651,15 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         xnames = [f"{r['method']}\nN={r['nprocs']}" for r in split]
         comp = [1000 * r["compute_s"] for r in split]
         comm = [1000 * r["comm_s"] for r in split]
-        ax.bar(xnames, comp, color="tab:blue", label="compute (the step under no_sync)")
-        ax.bar(xnames, comm, bottom=comp, color="tab:orange",
-               label="communication + waiting")
+        xs = range(len(split))
+        ax.bar(xs, comp, color="tab:blue", label="compute")
+        ax.bar(xs, comm, bottom=comp, color="tab:orange", label="communication + waiting")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(xnames, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel("ms per step (median)")
         ax.set_title(f"Where a step's time goes at N > 1: {label}", fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=8)
-        save(fig, "step_split.png")
+        ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+        save(fig, "step_split.png", marked="some results")
 
     for key, ylabel, fname in (("samples_per_s", "samples / s", "throughput.png"),
                                ("peak_mem_mb", "peak memory per rank (MB)", "memory.png")):
@@ -711,7 +713,7 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         ax.set_ylabel("speedup")
         ax.set_title("Cost model (dashed = predicted, not measured)", fontsize=9)
         ax.legend(fontsize=7)
-        save(fig, "costmodel.png")
+        save(fig, "costmodel.png", marked="measured points")
 
     sweep = _ok(result, sweep=True)
     if sweep:
@@ -738,7 +740,7 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         ax.set_title("Per-rank batch size: compute against communication (labels: speedup)",
                      fontsize=9)
         ax.legend(fontsize=8)
-        save(fig, "batch_sweep.png")
+        save(fig, "batch_sweep.png", marked="labels ending in 'busy'")
     return paths
 
 
