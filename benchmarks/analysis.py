@@ -272,8 +272,8 @@ def judge(records: list[dict], control_floor: float = 0.85) -> dict:
                     f"machine gives at least {c['floor']:.2f}x (control floor {control_floor:g}"
                     f" x N): {'SHORT, the machine was busy' if c['short'] else 'fine'}.")
     if not verdict["control"] and any(r["nprocs"] > 1 for r in records):
-        msgs.append(f"No control: `{CONTROL}` was not timed at N > 1 in this run, so a busy "
-                    "machine can only be seen in the load figures.")
+        msgs.append(f"No control: `{CONTROL}` has no speedup in this run (it needs N = 1 and "
+                    "N > 1), so a busy machine shows only in the load figures.")
     if flagged:
         verdict["busy"] = True
         names = ", ".join(sorted({f"{r['method']} N={r['nprocs']}"

@@ -312,11 +312,43 @@ def test_runs_go_to_an_ignored_folder_and_the_reference_is_shown_until_there_is_
 
 @pytest.mark.timeout(120)
 def test_a_tiny_run_writes_only_under_out_and_leaves_git_status_alone(tmp_path):
-    before = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                            text=True).stdout
+    def state():
+        """Changes to the committed results, and files git would list as new."""
+        git = ["git", "-c", "core.quotepath=off"]
+        changed = subprocess.run([*git, "status", "--porcelain", "--", "benchmarks/reference",
+                                  "benchmarks/results"], cwd=REPO, capture_output=True,
+                                 text=True).stdout
+        new = subprocess.run([*git, "ls-files", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, text=True).stdout
+        return changed, new
+
+    before = state()
     proc = _bench(tmp_path, "--methods", "independent", "--nprocs", "1", "--rounds", "1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (tmp_path / "latest" / "results.json").is_file()
-    after = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                           text=True).stdout
-    assert after == before
+    assert state() == before
+
+
+@pytest.mark.timeout(120)
+def test_plots_draw_lines_over_n_only_beyond_two_devices(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from benchmarks.run import make_plots
+
+    def result(ns):
+        recs = [_rec(m, n, [100.0 * n * f, 98.0 * n * f, 101.0 * n * f])
+                for m, f in (("independent", 1.0), ("ddp_spawn", 0.9)) for n in ns]
+        for r in recs:
+            r.update(peak_mem_mb=100.0, mem_kind="process peak RSS", per_rank_batch=64)
+        add_speedups(recs)
+        return {"machine": {"label": "test"}, "config": {"rounds": 3}, "records": recs,
+                "verdict": judge(recs)}
+
+    four, two = tmp_path / "four", tmp_path / "two"
+    four.mkdir()
+    two.mkdir()
+    assert {p.name for p in make_plots(result([1, 2, 4]), four)} >= {
+        "speedup.png", "efficiency.png", "throughput.png", "memory.png", "scaling.png"}
+    names = {p.name for p in make_plots(result([1, 2]), two)}
+    assert "speedup.png" in names and "scaling.png" not in names
