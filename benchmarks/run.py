@@ -464,11 +464,13 @@ def _ok(result: dict, sweep: bool = False) -> list[dict]:
 def summary_markdown(result: dict) -> str:
     m, cfg = result["machine"], result["config"]
     rounds = cfg.get("rounds", 1)
+    how = (f"{rounds} interleaved round(s) of" if "rounds" in cfg
+           else "one launch per (method, N) of")
     lines = [f"# Benchmark: {m['label']}", "",
              f"{m['cpu']}; torch {m['torch']}; {cfg['scaling']} scaling, batch "
              f"{cfg['batch_size']} {'global' if cfg['strong'] else 'per rank'}; "
-             f"{rounds} interleaved round(s) of {cfg.get('repeats')} x {cfg.get('steps')} "
-             f"timed steps per launch; {result['stamp']}", ""]
+             f"{how} {cfg.get('repeats')} x {cfg.get('steps')} timed steps; "
+             f"{result['stamp']}", ""]
     if rounds > 1:
         lines += ["Figures in brackets are 95% intervals over the rounds (paired: each "
                   "ratio is taken within a round).", ""]
@@ -512,7 +514,7 @@ def summary_markdown(result: dict) -> str:
         lines += ["", f"Per-rank batch sweep ({sweep[0]['method']}): batch -> speedup at "
                       f"N={sweep[0]['nprocs']} over N=1: " + ", ".join(
                           f"{r['per_rank_batch']}: "
-                          f"{fmt_ci(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))}"
+                          f"{fmt_ci(r.get('speedup', r.get('sweep_speedup')), r.get('speedup_lo'), r.get('speedup_hi'))}"
                           + (" (busy)" if r.get("reliability") == BUSY else "")
                           for r in sweep)]
     verdict = result.get("verdict")
@@ -727,9 +729,9 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
             ax.errorbar([p[0] for p in pts], ys, yerr=err, marker="os^D"[n % 4], capsize=3,
                         label=f"{sweep[0]['method']} N={n}")
             for b, r in pts:
-                if r.get("speedup") is not None and n > 1:
-                    ax.annotate(f"{r['speedup']:.2f}x" + (" busy" if r.get("reliability") == BUSY
-                                                          else ""),
+                sp = r.get("speedup", r.get("sweep_speedup"))
+                if sp is not None and n > 1:
+                    ax.annotate(f"{sp:.2f}x" + (" busy" if r.get("reliability") == BUSY else ""),
                                 (b, r["samples_per_s"]), textcoords="offset points",
                                 xytext=(0, 6), fontsize=7, ha="center")
         ax.set_xscale("log", base=2)
