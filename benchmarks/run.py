@@ -796,8 +796,9 @@ def link_latest(root: Path, run_dir: Path) -> None:
             tmp.unlink()
         os.symlink(run_dir.name, tmp, target_is_directory=True)
         os.replace(tmp, root / "latest")
-    except OSError:  # no symbolic links here: the text pointer alone
-        pass
+    except OSError:  # no symbolic links here (or `latest` is a real folder): the text pointer
+        if tmp.is_symlink():
+            tmp.unlink()
     write_atomic(root / "LATEST", run_dir.name + "\n")
 
 
