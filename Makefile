@@ -23,7 +23,7 @@ help:
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
-	@echo "make benchmark    time 1-vs-N runs of every method, plot speedups (QUICK=1, METHODS=a,b, NPROCS=1,2)"
+	@echo "make benchmark    time 1-vs-N runs of every method in rounds, into benchmarks/runs/latest/ (QUICK=1, METHODS=a,b, NPROCS=1,2)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
 	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
 	@echo "make stress N=10  the whole suite N times on a fresh clone under a CPU hog"

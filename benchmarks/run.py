@@ -6,10 +6,18 @@
     python -m benchmarks.run --strong             # fixed global batch instead of per rank
     python -m benchmarks.run --project-bandwidth 25   # project the cost model onto 25 GB/s
 
-Each (method, N) runs in fresh rank processes with a hard timeout; a method that fails or
-hangs is recorded with its error and the sweep goes on. Results go to benchmarks/results/:
-``run-<stamp>.json`` and ``.csv``, PNG plots and ``summary.md``; ``latest.json`` is replaced
-only by a run with at least one successful measurement.
+Every (method, N) is launched ``rounds`` times in fresh rank processes, with a hard timeout;
+one round launches each method at N = 1 and N = k back to back (the order flipped every other
+round), so each speedup is a ratio taken within a round and the rounds give its 95% interval
+(``benchmarks/analysis.py``). The ``independent`` control runs in the same rounds; the load
+of the machine is recorded around every launch, and results taken on a busy machine are
+marked "unreliable: machine busy". A method that fails or hangs is recorded with its error
+and the sweep goes on.
+
+Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``results.csv``,
+``summary.md`` and the PNG plots; ``benchmarks/runs/latest`` points at the last run with at
+least one successful measurement. The committed reference results of a 2-core CPU are in
+``benchmarks/reference/``; a run never touches them.
 """
 
 from __future__ import annotations
@@ -23,24 +31,45 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from benchmarks.analysis import (
+    BUSY,
+    CONTROL,
+    add_speedups,
+    fmt_ci,
+    judge,
+    machine_load,
+    read_proc_stat,
+    summarize_record,
+    throughput_ratios,
+)
 from benchmarks.costmodel import INTERCONNECTS, RingModel, fit_ring
 from benchmarks.registry import BenchContext, load_all
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"  # git-ignored: every run gets RUNS/<stamp>/, and RUNS/latest points at it
+REFERENCE = HERE / "reference"  # committed: a 2-core CPU's results, shown until you run your own
+
+# Throughput ratios worth an interval of their own (a, b): a's samples/s over b's, same N.
+RATIO_PAIRS = [("single", "single_dataloader"), ("ddp_naive", "ddp_spawn"),
+               ("ddp_overlap", "ddp_spawn"), ("ddp_bucketed", "ddp_spawn"),
+               ("ddp_torchrun", "ddp_spawn"), ("lightning_ddp", "ddp_spawn"),
+               ("amp_bf16", "ddp_spawn"), ("amp_fp16", "ddp_spawn")]
 
 
 @dataclass
 class Config:
     batch_size: int = 256  # per rank (weak scaling) or global (strong)
-    warmup: int = 5
-    steps: int = 10  # per repeat
-    repeats: int = 5
+    warmup: int = 3  # per launch
+    steps: int = 6  # per repeat
+    repeats: int = 2  # per launch
+    rounds: int = 5  # launches of every (method, N), interleaved
+    control_floor: float = 0.85  # the control's efficiency below which the machine was busy
     strong: bool = False
     threads_per_rank: int = 1
     model: str = "convnet"
@@ -52,10 +81,19 @@ class Config:
 # ------------------------------------------------------------------------ rank side
 
 
-def _peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max_memory_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
+def _reset_peaks(devices: list[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def _peak_memory_mb(devices: list[torch.device]) -> tuple[float, str, dict]:
+    """The largest peak over ``devices`` (each CUDA device this rank used), and each one's."""
+    if devices and devices[0].type == "cuda":
+        each = {str(d): torch.cuda.max_memory_allocated(d) / 2**20 for d in devices}
+        return max(each.values()), "cuda max_memory_allocated", each
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return rss, "process peak RSS", {"cpu": rss}
 
 
 def _timed(fn, steps: int, device) -> float:
@@ -73,14 +111,18 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     """Runs on every rank inside an initialized process group (see dpt.testing)."""
     import torch.distributed as dist
 
+    from dpt.dist import rank_device
+
     methods = load_all()
     m = methods[method_name]
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
     per_rank = cfg["batch_size"] // world_size if cfg["strong"] else cfg["batch_size"]
     ctx = BenchContext(rank, world_size, device, max(1, per_rank), cfg["model"],
                        options=cfg.get("options", {}))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    # One process driving every GPU (DataParallel) uses them all: record each one's peak.
+    devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+               if device.type == "cuda" and world_size == 1 and m.max_procs == 1 else [device])
+    _reset_peaks(devices)
     made = m.factory(ctx)
     step, extras = (made if isinstance(made, tuple) else (made, {}))
     timers = extras.get("timers")
@@ -102,10 +144,12 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
             compute_times.append(_timed(compute_step, cfg["steps"], device))
     loss = step()
     # The slowest rank sets the pace: every rank reports, the parent takes the max.
-    mem, mem_kind = _peak_memory_mb(device)
+    mem, mem_kind, mem_each = _peak_memory_mb(devices)
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this process's CPU (reset at fork)
     out = {"rank": rank, "step_times": step_times, "loss": float(loss),
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
-           "threads": torch.get_num_threads()}
+           "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
+           "cpu_s": usage.ru_utime + usage.ru_stime}
     if comm_times:
         out["comm_s"] = statistics.median(comm_times)
     if compute_times:
@@ -114,19 +158,29 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
 
 
 def allreduce_curve(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> list:
-    """Median all-reduce time per message size (bytes), measured on this machine."""
+    """Median all-reduce time per message size (bytes), measured on this machine.
+
+    The tensor lives on the rank's device (NCCL takes only CUDA tensors), and the clock is
+    read only after the device has finished (an NCCL all-reduce returns before it is done).
+    """
     import torch.distributed as dist
 
+    from dpt.device import synchronize
+    from dpt.dist import rank_device
+
+    device = rank_device()
     curve = []
     for nbytes in sizes:
-        t = torch.ones(max(1, nbytes // 4))
+        t = torch.ones(max(1, nbytes // 4), device=device)
         for _ in range(2):
             dist.all_reduce(t)
         times = []
         for _ in range(repeats):
+            synchronize(device)
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         curve.append((nbytes, statistics.median(times)))
     return curve
@@ -200,21 +254,44 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
     return None
 
 
-def run_one(name: str, n: int, cfg: Config, methods) -> dict:
-    from dpt.testing import RankFailure, run_distributed
-
-    m = methods[name]
-    rec = {"method": name, "nprocs": n, "description": m.description,
-           "scaling": "strong" if cfg.strong else "weak", "status": "ok"}
+def skip_reason(m, n: int) -> str | None:
+    """Why a method cannot run at N here (a missing GPU, Apex, ...), or None."""
     why = unmet_requirement(m.requires, n)
     if why is None and n < m.min_procs:
         why = f"needs at least {m.min_procs} ranks"
     if why is None and m.max_procs is not None and n > m.max_procs:
         why = f"runs on at most {m.max_procs} rank(s)"
-    if why:
-        rec.update(status="skipped", error=why)
-        return rec
-    start = time.perf_counter()
+    return why
+
+
+def snapshot() -> dict:
+    """The machine's CPU counters, load and this process's (and its children's) CPU time."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"t": time.monotonic(), "stat": read_proc_stat(),
+            "load1": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "self_cpu": me.ru_utime + me.ru_stime, "child_cpu": kids.ru_utime + kids.ru_stime}
+
+
+def _hz() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (ValueError, OSError, AttributeError):
+        return 100
+
+
+def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
+    """One measurement: start N fresh ranks, time the method, record the machine's load.
+
+    Returns ``status`` ("ok", "failed", "timeout"), and when ok the slowest rank's time per
+    repeat (``step_times``), the throughput, memory, loss and ``load`` (see
+    ``analysis.machine_load``) over this launch.
+    """
+    from dpt.testing import RankFailure, run_distributed
+
+    m = methods[name]
+    out = {"round": round_no, "status": "ok"}
+    before = snapshot()
     try:
         if m.launcher == "torchrun":
             ranks = run_torchrun(name, n, cfg)
@@ -224,30 +301,82 @@ def run_one(name: str, n: int, cfg: Config, methods) -> dict:
                                     echo=False)
     except RankFailure as exc:
         text = str(exc)
-        rec.update(status="timeout" if "timed out" in text or "hung" in text else "failed",
+        out.update(status="timeout" if "timed out" in text or "hung" in text else "failed",
                    error=text.strip().splitlines()[-1][:300], detail=text[-2000:])
-        return rec
+        return out
     except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be unpickled
-        rec.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:300])
-        return rec
-    # Per repeat, the slowest rank's time; then the median and spread over repeats.
+        out.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:300])
+        return out
+    after = snapshot()
+    # Our CPU: the ranks' own (forkserver children are not ours to wait for) or, under
+    # torchrun, the launcher's children; plus this process.
+    ours = (max(after["child_cpu"] - before["child_cpu"], sum(r.get("cpu_s", 0) for r in ranks))
+            + after["self_cpu"] - before["self_cpu"])
+    # Per repeat, the slowest rank's time: the slowest rank sets the pace.
     per_repeat = [max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"]))]
-    step_s = statistics.median(per_repeat)
     per_rank = ranks[0]["per_rank_batch"]
-    rec.update(
-        wall_s=round(time.perf_counter() - start, 2), per_rank_batch=per_rank,
-        global_batch=per_rank * n, step_s=step_s, step_s_min=min(per_repeat),
-        step_s_max=max(per_repeat), samples_per_s=per_rank * n / step_s,
+    out.update(
+        wall_s=round(after["t"] - before["t"], 2), per_rank_batch=per_rank,
+        step_times=per_repeat, samples_per_s=per_rank * n / statistics.median(per_repeat),
         peak_mem_mb=max(r["peak_mem_mb"] for r in ranks), mem_kind=ranks[0]["mem_kind"],
-        final_loss=statistics.mean(r["loss"] for r in ranks),
-        threads_per_rank=ranks[0]["threads"])
+        peak_mem_mb_devices={f"rank{r['rank']} {d}": v for r in ranks
+                             for d, v in r.get("peak_mem_mb_devices", {}).items()},
+        final_loss=statistics.mean(r["loss"] for r in ranks), threads=ranks[0]["threads"],
+        load=machine_load(before, after, ours, hz=_hz()))
+    step_s = statistics.median(per_repeat)
     if all("compute_s" in r for r in ranks):
         compute = max(r["compute_s"] for r in ranks)
-        rec.update(compute_s=compute, comm_s=max(0.0, step_s - compute))
+        out.update(compute_s=compute, comm_s=max(0.0, step_s - compute))
     elif all("comm_s" in r for r in ranks):
         comm = max(r["comm_s"] for r in ranks)
-        rec.update(comm_s=comm, compute_s=max(0.0, step_s - comm))
+        out.update(comm_s=comm, compute_s=max(0.0, step_s - comm))
+    return out
+
+
+def run_one(name: str, n: int, cfg: Config, methods, rounds: int = 1) -> dict:
+    """``rounds`` launches of one (method, N) in a row, summarized (no interleaving)."""
+    rec = new_record(name, n, cfg, methods)
+    for i in range(rounds):
+        if rec["status"] == "ok":
+            add_round(rec, launch(name, n, cfg, methods, i))
+    finish_record(rec)
     return rec
+
+
+def new_record(name: str, n: int, cfg: Config, methods, sweep: int | None = None) -> dict:
+    m = methods[name]
+    rec = {"method": name, "nprocs": n, "description": m.description,
+           "scaling": "strong" if cfg.strong else "weak", "status": "ok", "rounds": []}
+    if sweep is not None:
+        rec["sweep"] = sweep
+    why = skip_reason(m, n)
+    if why:
+        rec.update(status="skipped", error=why)
+    return rec
+
+
+def add_round(rec: dict, res: dict) -> None:
+    """Keep a launch's result; a failure ends the record (later rounds skip it)."""
+    if res["status"] != "ok":
+        rec.update(status=res["status"], error=f"round {res['round'] + 1}: {res.get('error', '')}")
+        if "detail" in res:
+            rec["detail"] = res["detail"]
+        return
+    rec["rounds"].append(res)
+
+
+def finish_record(rec: dict) -> None:
+    ok = rec["rounds"]
+    if rec["status"] != "ok" or not ok:
+        return
+    per_rank = ok[0]["per_rank_batch"]
+    rec.update(per_rank_batch=per_rank, global_batch=per_rank * rec["nprocs"],
+               wall_s=round(sum(r["wall_s"] for r in ok), 2),
+               peak_mem_mb=max(r["peak_mem_mb"] for r in ok), mem_kind=ok[0]["mem_kind"],
+               peak_mem_mb_devices=ok[-1].get("peak_mem_mb_devices", {}),
+               final_loss=statistics.mean(r["final_loss"] for r in ok),
+               threads_per_rank=ok[0]["threads"])
+    summarize_record(rec)
 
 
 def run_torchrun(name: str, n: int, cfg: Config) -> list[dict]:
@@ -290,23 +419,6 @@ def run_torchrun(name: str, n: int, cfg: Config) -> list[dict]:
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def add_speedups(records: list[dict]) -> None:
-    """Speedup and efficiency against the same method at N = 1 (or `single` if it has none)."""
-    base = {}
-    for r in records:
-        if r["status"] == "ok" and r["nprocs"] == 1 and r.get("sweep") is None:
-            base[r["method"]] = r["samples_per_s"]
-    for r in records:
-        if r["status"] != "ok" or r.get("sweep") is not None:
-            continue
-        ref = base.get(r["method"]) or base.get("independent") or base.get("single")
-        if ref:
-            r["speedup"] = r["samples_per_s"] / ref
-            r["efficiency"] = r["speedup"] / r["nprocs"]
-            r["speedup_vs"] = r["method"] if r["method"] in base else (
-                "independent" if "independent" in base else "single")
-
-
 def grad_bytes(model_name: str) -> int:
     from dpt.models import build_model
 
@@ -333,15 +445,38 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def latest_results(runs: Path = RUNS, reference: Path = REFERENCE) -> tuple[Path, str]:
+    """The results to show: your latest run if there is one, else the committed reference."""
+    for cand in (runs / "latest" / "results.json",):
+        if cand.is_file():
+            return cand.resolve(), "your latest run"  # the stamped folder: when it ran
+    pointer = runs / "LATEST"  # where the file system has no symbolic links
+    if pointer.is_file() and (runs / pointer.read_text().strip() / "results.json").is_file():
+        return runs / pointer.read_text().strip() / "results.json", "your latest run"
+    return reference / "results.json", "the committed reference (a 2-core CPU)"
+
+
+def _ok(result: dict, sweep: bool = False) -> list[dict]:
+    return [r for r in result["records"] if r["status"] == "ok" and "samples_per_s" in r
+            and (r.get("sweep") is not None) == sweep]
+
+
 def summary_markdown(result: dict) -> str:
-    m = result["machine"]
+    m, cfg = result["machine"], result["config"]
+    rounds = cfg.get("rounds", 1)
+    how = (f"{rounds} interleaved round(s) of" if "rounds" in cfg
+           else "one launch per (method, N) of")
     lines = [f"# Benchmark: {m['label']}", "",
-             f"{m['cpu']}; torch {m['torch']}; {result['config']['scaling']} scaling, "
-             f"batch {result['config']['batch_size']} "
-             f"{'global' if result['config']['strong'] else 'per rank'}; {result['stamp']}", "",
-             "| method | N | status | samples/s | speedup | efficiency | step ms | comm ms | "
-             "peak MB/rank | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{m['cpu']}; torch {m['torch']}; {cfg['scaling']} scaling, batch "
+             f"{cfg['batch_size']} {'global' if cfg['strong'] else 'per rank'}; "
+             f"{how} {cfg.get('repeats')} x {cfg.get('steps')} timed steps; "
+             f"{result['stamp']}", ""]
+    if rounds > 1:
+        lines += ["Figures in brackets are 95% intervals over the rounds (paired: each "
+                  "ratio is taken within a round).", ""]
+    lines += ["| method | N | status | samples/s | speedup | efficiency | step ms | comm ms | "
+              "peak MB/rank | final loss | machine |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else ""
@@ -349,150 +484,265 @@ def summary_markdown(result: dict) -> str:
     for r in result["records"]:
         if r.get("sweep") is not None:
             continue
-        if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {r['nprocs']} | {r['status']}: {r.get('error', '')} "
-                         "| | | | | | | |")
+        if r["status"] != "ok" or "samples_per_s" not in r:
+            lines.append(f"| {r['method']} | {r['nprocs']} | {r['status']}: "
+                         f"{r.get('error', '')} | | | | | | | | |")
             continue
+        rel = r.get("reliability", "")
+        if rel == BUSY:
+            rel = f"**{BUSY}**: {r['flags'][0]}"
         lines.append(
-            f"| {r['method']} | {r['nprocs']} | ok | {r['samples_per_s']:.0f} | "
-            f"{f(r.get('speedup'), '.2f')} | {f(r.get('efficiency'), '.2f')} | "
+            f"| {r['method']} | {r['nprocs']} | ok | "
+            f"{fmt_ci(r['samples_per_s'], r.get('samples_per_s_lo'), r.get('samples_per_s_hi'), '.0f')} | "
+            f"{fmt_ci(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))} | "
+            f"{fmt_ci(r.get('efficiency'), r.get('efficiency_lo'), r.get('efficiency_hi'))} | "
             f"{1000 * r['step_s']:.1f} | {f(r.get('comm_s', None) and 1000 * r['comm_s'], '.1f')} "
-            f"| {r['peak_mem_mb']:.0f} | {r['final_loss']:.3f} |")
+            f"| {r['peak_mem_mb']:.0f} | {r['final_loss']:.3f} | {rel} |")
+    if result.get("ratios"):
+        lines += ["", "Throughput ratios, same N, paired by round:", "",
+                  "| a over b | N | ratio |", "|---|---|---|"]
+        for q in result["ratios"]:
+            lines.append(f"| {q['a']} over {q['b']} | {q['nprocs']} | "
+                         f"{fmt_ci(q['value'], q['lo'], q['hi'])} |")
     cm = result.get("cost_model")
     if cm:
         lines += ["", f"Cost model (fitted from all-reduce on {cm['fit_nprocs']} ranks): "
                       f"alpha = {cm['alpha_s'] * 1e6:.0f} us, bandwidth = "
                       f"{cm['bandwidth_Bps'] / 1e9:.2f} GB/s; gradients {cm['grad_bytes'] / 1e3:.0f} KB."]
-    sweep = [r for r in result["records"] if r.get("sweep") is not None and r["status"] == "ok"]
+    sweep = [r for r in _ok(result, sweep=True) if r["nprocs"] > 1]
     if sweep:
-        lines += ["", "Per-rank batch sweep (DDP): batch -> speedup at N=2 over N=1: " + ", ".join(
-            f"{r['per_rank_batch']}: {r.get('sweep_speedup', float('nan')):.2f}"
-            for r in sweep if r["nprocs"] > 1)]
+        lines += ["", f"Per-rank batch sweep ({sweep[0]['method']}): batch -> speedup at "
+                      f"N={sweep[0]['nprocs']} over N=1: " + ", ".join(
+                          f"{r['per_rank_batch']}: "
+                          f"{fmt_ci(r.get('speedup', r.get('sweep_speedup')), r.get('speedup_lo'), r.get('speedup_hi'))}"
+                          + (" (busy)" if r.get("reliability") == BUSY else "")
+                          for r in sweep)]
+    verdict = result.get("verdict")
+    if verdict:
+        lines += ["", "## Can these numbers be trusted?", ""]
+        lines += [f"- {msg}" for msg in verdict["messages"]]
+        loads = [r["load"] for r in result["records"] if r.get("load")]
+        fc = [x["foreign_cores"] for x in loads if x.get("foreign_cores") is not None]
+        l1 = [x["load1"] for x in loads if x.get("load1") is not None]
+        st = [x["steal"] for x in loads if x.get("steal") is not None]
+        if fc:
+            lines.append(f"- Other processes used {min(fc):.2f} to {max(fc):.2f} cores during "
+                         f"the methods' runs (mean per method); 1-minute load average up to "
+                         f"{max(l1):.1f}" + (f"; CPU steal up to {100 * max(st):.1f}%" if st else "")
+                         + ".")
+    else:
+        lines += ["", "Measured before the harness interleaved rounds: one run per (method, N), "
+                      "no intervals and no busy-machine check."]
     return "\n".join(lines) + "\n"
 
 
+# One colour and one marker per method, the same in every plot (order of registration).
+_MARKERS = "osD^vP*Xph<>d8H"
+
+
+def method_styles(names: list[str]) -> dict[str, tuple]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    order = list(dict.fromkeys(list(load_all()) + list(names)))
+    colours = [cmap(i) for i in range(0, 20, 2)] + [cmap(i) for i in range(1, 20, 2)]
+    return {name: (colours[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(order)}
+
+
+def _busy_note(fig, result: dict, marked: str) -> None:
+    if (result.get("verdict") or {}).get("busy"):
+        fig.text(0.01, 0.005, f"{marked}: {BUSY} (the reasons are in summary.md)",
+                 color="firebrick", fontsize=8, ha="left", va="bottom")
+
+
+def _grouped_bars(ax, recs, methods, styles, key: str, ideal, ylabel: str) -> None:
+    """Bars per method, one per N > 1, with 95% error bars and each bar's ideal marked."""
+    from matplotlib.patches import Patch
+
+    nks = sorted({r["nprocs"] for r in recs if r["nprocs"] > 1 and r.get(key) is not None})
+    width = 0.8 / max(1, len(nks))
+    for j, mname in enumerate(methods):
+        colour, marker = styles[mname]
+        for i, n in enumerate(nks):
+            r = next((q for q in recs if q["method"] == mname and q["nprocs"] == n), None)
+            if r is None or r.get(key) is None:
+                continue
+            x = j + (i - (len(nks) - 1) / 2) * width
+            busy = r.get("reliability") == BUSY
+            v, lo, hi = r[key], r.get(f"{key}_lo"), r.get(f"{key}_hi")
+            ax.bar(x, v, width * 0.9, color=colour, alpha=0.4 if busy else 0.9,
+                   hatch="///" if busy else None, edgecolor="firebrick" if busy else colour)
+            yerr = None if lo is None else [[v - lo], [hi - v]]
+            ax.errorbar(x, v, yerr=yerr, fmt=marker, color="black", ms=5, capsize=3, lw=1)
+            ax.hlines(ideal(n), x - width * 0.45, x + width * 0.45, colors="black",
+                      linestyles="--", lw=1.2)
+            if len(nks) > 1:
+                ax.annotate(f"N={n}", (x, 0), fontsize=6, ha="center", va="bottom")
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(methods) - 0.4)
+    ax.set_ylabel(ylabel)
+    handles = [Patch(facecolor="white", edgecolor="black", ls="--", label="ideal (dashed)")]
+    if any(r.get("reliability") == BUSY for r in recs):
+        handles.append(Patch(facecolor="white", edgecolor="firebrick", hatch="///",
+                             label=BUSY))
+    ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.9)
+
+
 def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list[Path]:
+    """speedup, efficiency, step split, throughput, memory, cost model, batch sweep PNGs
+    (and scaling lines over N when the run went beyond N = 2). Returns the paths."""
     import matplotlib.pyplot as plt
 
-    recs = [r for r in result["records"] if r["status"] == "ok" and r.get("sweep") is None]
+    recs = _ok(result)
     label = result["machine"]["label"]
     paths = []
-    methods = sorted({r["method"] for r in recs})
+    names = list(dict.fromkeys(r["method"] for r in recs))
+    styles = method_styles(names)
+    multi = [mm for mm in names if any(r["method"] == mm and r["nprocs"] > 1 for r in recs)]
+    rounds = result["config"].get("rounds", 1)
+    ci_note = (f"95% intervals over {rounds} interleaved rounds" if rounds > 1
+               else "one run, no intervals")
     cm = result.get("cost_model")
 
-    def by(method, key):
-        pts = sorted((r["nprocs"], r[key]) for r in recs if r["method"] == method and key in r)
-        return [p[0] for p in pts], [p[1] for p in pts]
+    def save(fig, name, marked="hatched bars"):
+        _busy_note(fig, result, marked)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
-    # Speedup: measured (left, with the ideal line), and the cost model's projection (right).
-    fig, (ax, axp) = plt.subplots(1, 2, figsize=(12, 4.8))
-    max_n = max([r["nprocs"] for r in recs] + [2])
-    ax.plot([1, max_n], [1, max_n], "k:", label="ideal (N x)")
-    for mname in methods:
-        ns, sp = by(mname, "speedup")
-        if len(ns) > 1:
-            ax.plot(ns, sp, "o-", label=mname)
-    ax.set_xticks(sorted({r["nprocs"] for r in recs}))
-    ax.set_xlabel("N (ranks)")
-    ax.set_ylabel("speedup (samples/s over N=1)")
-    ax.set_title(f"Measured: {label}", fontsize=10)
-    ax.legend(fontsize=7)
-    axp.plot(project_ns, project_ns, "k:", label="ideal")
-    if cm:
-        model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
-        axp.plot(project_ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                              for n in project_ns], "--", color="gray",
-                 label=f"predicted, this machine ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
-        for name, gbps in (cm.get("projections") or {}).items():
-            proj = RingModel(cm["alpha_s"], gbps * 1e9)
-            axp.plot(project_ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                                  for n in project_ns], "--", label=f"predicted, {name}")
-        for mname in ("ddp_spawn", "independent"):
-            ns, sp = by(mname, "speedup")
-            if len(ns) > 1:
-                axp.plot(ns, sp, "o", label=f"measured {mname}")
-    axp.set_xscale("log", base=2)
-    axp.set_yscale("log", base=2)
-    axp.set_xlabel("N (ranks)")
-    axp.set_title("Cost model (dashed = predicted, not measured)", fontsize=10)
-    axp.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    if multi:
+        for key, ideal, ylabel, fname, what in (
+                ("speedup", lambda n: n, "speedup (samples/s over N=1)", "speedup.png",
+                 "Speedup"),
+                ("efficiency", lambda n: 1.0, "efficiency (speedup / N)", "efficiency.png",
+                 "Scaling efficiency")):
+            fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(multi) + 2.5), 4.6))
+            _grouped_bars(ax, recs, multi, styles, key, ideal, ylabel)
+            ax.set_title(f"{what} over N=1 ({ci_note}): {label}", fontsize=9)
+            save(fig, fname)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mname in methods:
-        ns, ef = by(mname, "efficiency")
-        if len(ns) > 1:
-            ax.plot(ns, ef, "o-", label=mname)
-    ax.axhline(1.0, color="k", ls=":", label="ideal")
-    ax.set_ylim(0, 1.15)
-    ax.set_xlabel("N (ranks)")
-    ax.set_ylabel("efficiency (speedup / N)")
-    ax.set_title(f"Scaling efficiency: {label}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "efficiency.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    if len({r["nprocs"] for r in recs}) > 2:  # lines over N only with more than 2 devices
+        fig, ax = plt.subplots(figsize=(7, 4.6))
+        ns_all = sorted({r["nprocs"] for r in recs})
+        ax.plot(ns_all, ns_all, "k--", lw=1, label="ideal (N x)")
+        for mname in multi:
+            pts = sorted((r["nprocs"], r) for r in recs if r["method"] == mname
+                         and r.get("speedup") is not None)
+            if len(pts) < 2:
+                continue
+            xs = [p[0] for p in pts]
+            ys = [p[1]["speedup"] for p in pts]
+            err = [[y - (p[1].get("speedup_lo") or y) for y, p in zip(ys, pts)],
+                   [(p[1].get("speedup_hi") or y) - y for y, p in zip(ys, pts)]]
+            colour, marker = styles[mname]
+            ax.errorbar(xs, ys, yerr=err, color=colour, marker=marker, capsize=3, label=mname)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns_all)
+        ax.set_xticklabels([str(n) for n in ns_all])
+        ax.set_xlabel("N (ranks)")
+        ax.set_ylabel("speedup")
+        ax.set_title(f"Speedup over N ({ci_note}): {label}", fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+        save(fig, "scaling.png", marked="some results")
+
+    split = [r for r in recs if "comm_s" in r and r["nprocs"] > 1]
+    if split:
+        fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * len(split) + 2), 4))
+        xnames = [f"{r['method']}\nN={r['nprocs']}" for r in split]
+        comp = [1000 * r["compute_s"] for r in split]
+        comm = [1000 * r["comm_s"] for r in split]
+        xs = range(len(split))
+        ax.bar(xs, comp, color="tab:blue", label="compute")
+        ax.bar(xs, comm, bottom=comp, color="tab:orange", label="communication + waiting")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(xnames, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(f"Where a step's time goes at N > 1: {label}", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+        save(fig, "step_split.png", marked="some results")
 
     for key, ylabel, fname in (("samples_per_s", "samples / s", "throughput.png"),
                                ("peak_mem_mb", "peak memory per rank (MB)", "memory.png")):
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(names) + 2.5), 4))
         ns_all = sorted({r["nprocs"] for r in recs})
         width = 0.8 / max(1, len(ns_all))
-        for i, n in enumerate(ns_all):
-            vals = [next((r[key] for r in recs if r["method"] == mm and r["nprocs"] == n), 0)
-                    for mm in methods]
-            ax.bar([j + i * width for j in range(len(methods))], vals, width, label=f"N={n}")
-        ax.set_xticks([j + width * (len(ns_all) - 1) / 2 for j in range(len(methods))])
-        ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+        for j, mname in enumerate(names):
+            colour, marker = styles[mname]
+            for i, n in enumerate(ns_all):
+                r = next((q for q in recs if q["method"] == mname and q["nprocs"] == n), None)
+                if r is None:
+                    continue
+                x = j + (i - (len(ns_all) - 1) / 2) * width
+                busy = r.get("reliability") == BUSY
+                ax.bar(x, r[key], width * 0.9, color=colour,
+                       alpha=(0.35 + 0.6 * (i + 1) / len(ns_all)) * (0.6 if busy else 1),
+                       hatch="///" if busy else None)
+                lo, hi = r.get(f"{key}_lo"), r.get(f"{key}_hi")
+                if lo is not None:
+                    ax.errorbar(x, r[key], yerr=[[r[key] - lo], [hi - r[key]]], fmt=marker,
+                                color="black", ms=4, capsize=2, lw=1)
+                ax.annotate(str(n), (x, 0), fontsize=6, ha="center", va="bottom")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(ylabel + (f" [{recs[0]['mem_kind']}]" if key == "peak_mem_mb" and recs
                                 else ""))
-        ax.set_title(f"{ylabel}: {label}")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out / fname)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        ax.set_title(f"{ylabel} (the figure at each bar's foot is N): {label}", fontsize=9)
+        save(fig, fname)
 
-    split = [r for r in recs if "comm_s" in r]
-    if split:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        names = [f"{r['method']}\nN={r['nprocs']}" for r in split]
-        comp = [1000 * r["compute_s"] for r in split]
-        comm = [1000 * r["comm_s"] for r in split]
-        ax.bar(names, comp, label="compute")
-        ax.bar(names, comm, bottom=comp, label="communication + waiting")
-        ax.set_ylabel("ms per step")
-        ax.set_title("Where a step's time goes")
-        ax.tick_params(axis="x", labelsize=7)
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out / "step_split.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+    if cm:
+        fig, ax = plt.subplots(figsize=(6.5, 4.6))
+        ax.plot(project_ns, project_ns, "k:", label="ideal")
+        model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
+        ax.plot(project_ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"])
+                             for n in project_ns], "--", color="gray",
+                label=f"predicted, this machine ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+        for pname, gbps in (cm.get("projections") or {}).items():
+            proj = RingModel(cm["alpha_s"], gbps * 1e9)
+            ax.plot(project_ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"])
+                                 for n in project_ns], "--", label=f"predicted, {pname}")
+        for mname in ("ddp_spawn", CONTROL):
+            pts = sorted((r["nprocs"], r["speedup"]) for r in recs
+                         if r["method"] == mname and r.get("speedup") is not None)
+            if len(pts) > 1:
+                colour, marker = styles[mname]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=colour,
+                        label=f"measured {mname}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("N (ranks)")
+        ax.set_ylabel("speedup")
+        ax.set_title("Cost model (dashed = predicted, not measured)", fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "costmodel.png", marked="measured points")
 
-    sweep = [r for r in result["records"] if r.get("sweep") is not None and r["status"] == "ok"]
+    sweep = _ok(result, sweep=True)
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4))
         bs = sorted({r["per_rank_batch"] for r in sweep})
         for n in sorted({r["nprocs"] for r in sweep}):
-            pts = sorted((r["per_rank_batch"], r["samples_per_s"]) for r in sweep
-                         if r["nprocs"] == n)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"DDP N={n}")
+            pts = sorted((r["per_rank_batch"], r) for r in sweep if r["nprocs"] == n)
+            ys = [p[1]["samples_per_s"] for p in pts]
+            err = [[y - (p[1].get("samples_per_s_lo") or y) for y, p in zip(ys, pts)],
+                   [(p[1].get("samples_per_s_hi") or y) - y for y, p in zip(ys, pts)]]
+            ax.errorbar([p[0] for p in pts], ys, yerr=err, marker="os^D"[n % 4], capsize=3,
+                        label=f"{sweep[0]['method']} N={n}")
+            for b, r in pts:
+                sp = r.get("speedup", r.get("sweep_speedup"))
+                if sp is not None and n > 1:
+                    ax.annotate(f"{sp:.2f}x" + (" busy" if r.get("reliability") == BUSY else ""),
+                                (b, r["samples_per_s"]), textcoords="offset points",
+                                xytext=(0, 6), fontsize=7, ha="center")
         ax.set_xscale("log", base=2)
         ax.set_xticks(bs)
         ax.set_xticklabels([str(b) for b in bs])
         ax.set_xlabel("batch per rank")
         ax.set_ylabel("samples / s")
-        ax.set_title("Per-rank batch size: compute against communication")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(out / "batch_sweep.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        ax.set_title("Per-rank batch size: compute against communication (labels: speedup)",
+                     fontsize=9)
+        ax.legend(fontsize=8)
+        save(fig, "batch_sweep.png", marked="labels ending in 'busy'")
     return paths
 
 
@@ -515,18 +765,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="convnet", help="convnet, mlp or fashioncnn")
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per launch")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved launches of every (method, N); intervals need 2 or more")
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=None, help="seconds per (method, N)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per launch")
+    p.add_argument("--control-floor", type=float, default=None,
+                   help="efficiency the `independent` control must reach, else the machine "
+                        "was busy (default 0.85)")
+    p.add_argument("--no-control", action="store_true",
+                   help="do not add the `independent` control to a --methods subset")
     p.add_argument("--no-sweep", action="store_true", help="skip the per-rank batch sweep")
     p.add_argument("--sweep-method", default="ddp_spawn")
     p.add_argument("--project-bandwidth", type=float, action="append", default=[],
                    help="GB/s of a target interconnect to project onto (repeatable)")
     p.add_argument("--project", action="append", default=[], choices=sorted(INTERCONNECTS),
                    help="a named interconnect to project onto (repeatable)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=RUNS,
+                   help="folder for the runs: each goes to OUT/<stamp>/, OUT/latest links to "
+                        "the last good one (default benchmarks/runs, ignored by git)")
     p.add_argument("--list", action="store_true", help="list the registered methods and exit")
     return p
+
+
+def link_latest(root: Path, run_dir: Path) -> None:
+    """Point ``root/latest`` at ``run_dir`` (atomically); ``root/LATEST`` names it in text."""
+    tmp = root / f".latest-{os.getpid()}"
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(run_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, root / "latest")
+    except OSError:  # no symbolic links here (or `latest` is a real folder): the text pointer
+        if tmp.is_symlink():
+            tmp.unlink()
+    write_atomic(root / "LATEST", run_dir.name + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,11 +815,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model)
     if args.quick:
-        cfg.warmup, cfg.steps, cfg.repeats, cfg.timeout = 2, 4, 3, 180.0
+        cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
         cfg.batch_size = 128
         cfg.sweep_batches = [64, 512]
         cfg.allreduce_sizes = [2**k for k in range(12, 23, 2)]
-    for key in ("batch_size", "steps", "repeats", "warmup"):
+    for key in ("batch_size", "steps", "repeats", "warmup", "rounds"):
         if getattr(args, key) is not None:
             if getattr(args, key) < (0 if key == "warmup" else 1):
                 print(f"error: --{key.replace('_', '-')} must be positive", file=sys.stderr)
@@ -554,6 +827,11 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg, key, getattr(args, key))
     if args.timeout:
         cfg.timeout = args.timeout
+    if args.control_floor is not None:
+        if not 0 < args.control_floor <= 1:
+            print("error: --control-floor is an efficiency between 0 and 1", file=sys.stderr)
+            return 2
+        cfg.control_floor = args.control_floor
     names = parse_list(args.methods) or list(methods)
     unknown = [n for n in names if n not in methods]
     if unknown:
@@ -568,6 +846,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in ns):
         print("error: every N in --nprocs must be at least 1", file=sys.stderr)
         return 2
+    ns = sorted(set(ns))
+    if max(ns) > 1 and CONTROL not in names and not args.no_control and CONTROL in methods:
+        names.insert(0, CONTROL)  # the control runs in the same rounds as everything else
     from dpt.dist import cpu_budget
 
     if not torch.cuda.is_available() and max(ns) * cfg.threads_per_rank > cpu_budget():
@@ -576,18 +857,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.auto import tqdm
 
-    jobs = [(n, k) for k in names for n in ns]
-    sweep_jobs = []
-    if not args.no_sweep and args.sweep_method in methods and not args.methods:
-        sweep_jobs = [(n, b) for b in cfg.sweep_batches for n in sorted({1, max(ns)})]
-    records = []
+    # Every (method, N) is a record; a round launches each once, N=1 and N=k back to back,
+    # the order flipped every other round, so slow drifts of the machine hit both alike.
+    records, groups = [], []
+    for name in names:
+        group = [new_record(name, n, cfg, methods) for n in ns]
+        records += group
+        groups.append((group, cfg))
+    if not args.no_sweep and args.sweep_method in methods and not args.methods and max(ns) > 1:
+        for b in cfg.sweep_batches:
+            group = [new_record(args.sweep_method, n, cfg, methods, sweep=b)
+                     for n in sorted({1, max(ns)})]
+            records += group
+            groups.append((group, replace(cfg, batch_size=b)))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     machine = machine_info(cfg.threads_per_rank)
-    print(f"benchmark on {machine['label']}: methods {', '.join(names)}; N in {ns}",
-          flush=True)
-    bar = tqdm(total=len(jobs) + len(sweep_jobs) + (1 if max(ns) > 1 else 0), unit="run",
+    print(f"benchmark on {machine['label']}: methods {', '.join(names)}; N in {ns}; "
+          f"{cfg.rounds} interleaved round(s)", flush=True)
+    runnable = sum(r["status"] == "ok" for r in records)
+    bar = tqdm(total=runnable * cfg.rounds + (1 if max(ns) > 1 else 0), unit="run",
                dynamic_ncols=True)
     curve = []
+    started = time.monotonic()
     if max(ns) > 1:
         bar.set_description(f"all-reduce curve N={max(ns)}")
         try:
@@ -599,40 +890,46 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - the sweep goes on without a cost model
             tqdm.write(f"all-reduce curve failed: {exc}")
         bar.update()
-    for n, name in jobs:
-        bar.set_description(f"{name} N={n}")
-        rec = run_one(name, n, cfg, methods)
-        records.append(rec)
-        msg = (f"{name:<24} N={n}: {rec['samples_per_s']:8.0f} samples/s, "
-               f"loss {rec['final_loss']:.3f}" if rec["status"] == "ok"
-               else f"{name:<24} N={n}: {rec['status']}: {rec.get('error', '')}")
-        tqdm.write(msg)
-        bar.update()
-    base_batch = cfg.batch_size
-    for n, b in sweep_jobs:
-        bar.set_description(f"sweep {args.sweep_method} batch={b} N={n}")
-        cfg.batch_size = b
-        rec = run_one(args.sweep_method, n, cfg, methods)
-        rec["sweep"] = b
-        records.append(rec)
-        bar.update()
-    cfg.batch_size = base_batch
+    for rnd in range(cfg.rounds):
+        for group, gcfg in groups:
+            for rec in (group if rnd % 2 == 0 else group[::-1]):
+                if rec["status"] != "ok":
+                    continue
+                tag = f" batch={rec['sweep']}" if "sweep" in rec else ""
+                bar.set_description(f"round {rnd + 1}/{cfg.rounds} {rec['method']}{tag} "
+                                    f"N={rec['nprocs']}")
+                res = launch(rec["method"], rec["nprocs"], gcfg, methods, rnd)
+                add_round(rec, res)
+                if res["status"] == "ok":
+                    msg = (f"{rec['method'] + tag:<28} N={rec['nprocs']} round {rnd + 1}: "
+                           f"{res['samples_per_s']:8.0f} samples/s")
+                else:
+                    msg = (f"{rec['method'] + tag:<28} N={rec['nprocs']} round {rnd + 1}: "
+                           f"{res['status']}: {res.get('error', '')}")
+                    bar.total -= cfg.rounds - rnd - 1
+                tqdm.write(msg)
+                bar.update()
     bar.close()
-    for r in records:  # sweep speedups, N>1 over N=1 at the same batch
-        if r.get("sweep") is not None and r["status"] == "ok" and r["nprocs"] > 1:
-            one = next((q for q in records if q.get("sweep") == r["sweep"] and q["nprocs"] == 1
-                        and q["status"] == "ok"), None)
-            if one:
-                r["sweep_speedup"] = r["samples_per_s"] / one["samples_per_s"]
+    for rec in records:
+        if rec["status"] == "ok" and not rec["rounds"]:
+            rec.update(status="failed", error="no round ran")
+        finish_record(rec)
     add_speedups(records)
+    for r in records:  # the batch sweep's speedup under its old name too
+        if r.get("sweep") is not None and r.get("speedup") is not None and r["nprocs"] > 1:
+            r["sweep_speedup"] = r["speedup"]
+    verdict = judge(records, cfg.control_floor)
 
     result = {"stamp": stamp, "machine": machine,
               "config": {**asdict(cfg), "scaling": "strong" if cfg.strong else "weak",
                          "methods": names, "nprocs": ns, "quick": args.quick},
-              "allreduce_curve": curve, "records": records}
+              "wall_s": round(time.monotonic() - started, 1),
+              "allreduce_curve": curve, "records": records,
+              "ratios": throughput_ratios(records, RATIO_PAIRS), "verdict": verdict}
     model = fit_cost_model(curve, max(ns))
     one = next((r for r in records if r["status"] == "ok" and r["nprocs"] == 1 and
-                r["method"] in ("independent", "ddp_spawn", "single")), None)
+                r.get("sweep") is None and "step_s" in r and
+                r["method"] in (CONTROL, "ddp_spawn", "single")), None)
     if model and one:
         projections = {f"{g:g} GB/s": g for g in args.project_bandwidth}
         projections.update({name: INTERCONNECTS[name] for name in args.project})
@@ -641,34 +938,44 @@ def main(argv: list[str] | None = None) -> int:
                                 "compute_from": one["method"],
                                 "grad_bytes": grad_bytes(cfg.model), "projections": projections}
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    ok = [r for r in records if r["status"] == "ok"]
-    run_json = args.out / f"run-{stamp}.json"
-    write_atomic(run_json, json.dumps(result, indent=1))
-    fields = ["method", "nprocs", "status", "scaling", "per_rank_batch", "global_batch",
-              "samples_per_s", "speedup", "efficiency", "step_s", "step_s_min", "step_s_max",
-              "compute_s", "comm_s", "peak_mem_mb", "mem_kind", "final_loss", "threads_per_rank",
-              "sweep", "error"]
+    run_dir = args.out / stamp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in records if r["status"] == "ok" and "samples_per_s" in r]
+    write_atomic(run_dir / "results.json", json.dumps(result, indent=1))
+    write_atomic(run_dir / "results.csv", records_csv(records))
+    summary = summary_markdown(result)
+    write_atomic(run_dir / "summary.md", summary)
+    print("\n" + summary)
+    if ok:  # an empty or failed run never becomes `latest`
+        for p in make_plots(result, run_dir):
+            print(f"wrote {p}")
+        link_latest(args.out, run_dir)
+    else:
+        print("no method succeeded: `latest` still points at the last good run",
+              file=sys.stderr)
+    print(f"wrote {run_dir / 'results.json'}, results.csv and summary.md "
+          f"({result['wall_s'] / 60:.1f} min)")
+    print("\n" + "\n".join(verdict["messages"]))
+    return 0 if ok else 1
+
+
+CSV_FIELDS = ["method", "nprocs", "status", "reliability", "scaling", "per_rank_batch",
+              "global_batch", "samples_per_s", "samples_per_s_lo", "samples_per_s_hi",
+              "speedup", "speedup_lo", "speedup_hi", "efficiency", "efficiency_lo",
+              "efficiency_hi", "rounds_ok", "step_s", "step_s_min", "step_s_max", "compute_s",
+              "comm_s", "peak_mem_mb", "mem_kind", "final_loss", "threads_per_rank", "sweep",
+              "flags", "error"]
+
+
+def records_csv(records: list[dict]) -> str:
     import io
 
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
-    w.writerows(records)
-    write_atomic(run_json.with_suffix(".csv"), buf.getvalue())
-    summary = summary_markdown(result)
-    print("\n" + summary)
-    if ok:  # an empty or failed run never replaces the last good one
-        write_atomic(args.out / "latest.json", json.dumps(result, indent=1))
-        write_atomic(args.out / "latest.csv", buf.getvalue())
-        write_atomic(args.out / "summary.md", summary)
-        for p in make_plots(result, args.out):
-            print(f"wrote {p}")
-    else:
-        print("no method succeeded: latest.json and the plots were left as they were",
-              file=sys.stderr)
-    print(f"wrote {run_json} and {run_json.with_suffix('.csv')}")
-    return 0 if ok else 1
+    for r in records:
+        w.writerow({**r, "flags": "; ".join(r.get("flags", []))})
+    return buf.getvalue()
 
 
 if __name__ == "__main__":

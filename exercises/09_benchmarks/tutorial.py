@@ -1,10 +1,12 @@
 # %% [markdown]
 # # Lesson 09: reading the benchmark
 #
-# `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks and
-# writes `benchmarks/results/latest.json`. This notebook reads the latest results (the
-# committed ones come from a 2-core CPU with gloo, one thread per rank) and answers the seeds'
-# question: **how much faster is N devices, and why not N times?**
+# `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks, in
+# interleaved rounds, and writes `benchmarks/runs/<time>/results.json` (a folder git ignores;
+# `benchmarks/runs/latest` points at the last one). This notebook reads your latest run, or,
+# until you have one, the committed reference results in `benchmarks/reference/` (a 2-core CPU
+# with gloo, one thread per rank), and answers the question every data-parallel course asks:
+# **how much faster is N devices, and why not N times?**
 
 # %%
 import json
@@ -20,20 +22,32 @@ sys.path.insert(0, str(REPO_ROOT))
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
+from benchmarks.analysis import BUSY, fmt_ci
 from benchmarks.costmodel import INTERCONNECTS, RingModel
-from benchmarks.run import make_plots, summary_markdown
+from benchmarks.run import latest_results, make_plots, summary_markdown
 
-results = REPO_ROOT / "benchmarks" / "results" / "latest.json"
+results, source = latest_results()
 result = json.loads(results.read_text())
+root = Path(REPO_ROOT).resolve()
+print(f"showing {source}:", results.relative_to(root) if results.is_relative_to(root) else results)
 print("machine:", result["machine"]["label"], "|", result["machine"]["cpu"])
-print("measured:", result["stamp"], "| scaling:", result["config"]["scaling"])
+print("measured:", result["stamp"], "| scaling:", result["config"]["scaling"],
+      "| rounds:", result["config"].get("rounds", 1))
 
 # %% [markdown]
-# ## The table
+# ## The table, and whether to believe it
 #
 # Throughput is samples per second over all ranks. Speedup divides it by the same method's
-# throughput at N = 1; efficiency divides the speedup by N. Every figure comes from one run, side
-# by side, because this machine is shared and noisy: compare ratios, not absolute numbers.
+# throughput at N = 1; efficiency divides the speedup by N. Each method runs in several
+# *rounds*, N = 1 and N = k back to back in each, so a speedup is a ratio taken within a round,
+# and the rounds give its 95% interval (in brackets). Two methods whose intervals overlap have
+# not been told apart.
+#
+# The run also times a **control**, `independent`: N ranks that never communicate. On an idle
+# machine it reaches close to N times its N = 1 throughput. When it falls short, or a speedup
+# comes out above N by more than its interval, or other processes used the CPU during a
+# method's runs, the result is marked *unreliable: machine busy*: a number measured while
+# something else was running is not one to teach.
 
 # %%
 display(Markdown(summary_markdown(result)))
@@ -41,8 +55,11 @@ display(Markdown(summary_markdown(result)))
 # %% [markdown]
 # ## Speedup and efficiency
 #
-# The dotted line is ideal scaling. The dashed grey line is the cost model below, fitted from
-# this machine's own all-reduce timings and projected to N = 64.
+# One bar per method (its own colour and marker in every plot), the 95% interval as an error
+# bar and the ideal (N x, or an efficiency of 1) as a dashed line over each bar. Hatched bars
+# are the ones marked unreliable. Then where a step's time goes (the step under `no_sync`
+# against the full step), throughput and memory, the cost model's projection, and the per-rank
+# batch sweep. On a machine with more than 2 devices a last plot draws speedup over N.
 
 # %%
 import tempfile
@@ -50,7 +67,7 @@ import tempfile
 with tempfile.TemporaryDirectory() as tmp:
     for png in make_plots(result, Path(tmp)):
         img = plt.imread(png)
-        plt.figure(figsize=(8, 5))
+        plt.figure(figsize=(9, 5.5))
         plt.imshow(img)
         plt.axis("off")
         plt.show()
@@ -79,7 +96,9 @@ for name in ("independent", "ddp_spawn", "ddp_no_buffer_broadcast", "ddp_buckete
     r = recs.get((name, 2))
     if r and "speedup" in r:
         extra = f", communication + waiting {1000 * r['comm_s']:.1f} ms/step" if "comm_s" in r else ""
-        print(f"measured {name:<24} speedup at N=2: {r['speedup']:.2f}{extra}")
+        busy = f"  [{BUSY}]" if r.get("reliability") == BUSY else ""
+        print(f"measured {name:<24} speedup at N=2: "
+              f"{fmt_ci(r['speedup'], r.get('speedup_lo'), r.get('speedup_hi'))}{extra}{busy}")
 
 # %% [markdown]
 # `independent` runs N ranks that never talk: it is the ceiling this hardware allows. The gap

@@ -1,18 +1,27 @@
-"""The benchmark harness: files, failure handling, timeouts and the cost model (not speed)."""
+"""The benchmark harness: files, failure handling, timeouts, intervals, the busy-machine
+check and the cost model (never speed: this machine is shared)."""
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks.analysis import BUSY, add_speedups, judge, machine_load, ratio_ci, read_proc_stat
 from benchmarks.costmodel import RingModel, fit_ring
 from tests.helpers import run_script
 from tests.lessons import REPO
 
-TINY = ["--batch-size", "8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--no-sweep"]
+TINY = ["--batch-size", "8", "--steps", "2", "--repeats", "2", "--warmup", "1", "--no-sweep",
+        "--rounds", "2"]
+
+
+def _latest(out):
+    """The results of the last good run under ``out`` (``out/latest`` -> ``out/<stamp>``)."""
+    return json.loads((out / "latest" / "results.json").read_text())
 
 
 def _why(rec: dict) -> str:
@@ -32,28 +41,46 @@ def _bench(tmp_path, *args, timeout=240):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_quick_run_writes_json_csv_and_plots(tmp_path):
-    proc = _bench(tmp_path, "--methods", "independent,ddp_no_buffer_broadcast", "--nprocs", "1,2")
+def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
+    proc = _bench(tmp_path, "--methods", "ddp_no_buffer_broadcast", "--nprocs", "1,2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((tmp_path / "latest.json").read_text())
+    runs = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert len(runs) == 1 and (tmp_path / "latest").resolve() == runs[0].resolve()
+    result = _latest(tmp_path)
     assert result["machine"]["threads_per_rank"] == 1 and result["machine"]["cores"] >= 1
     assert "torch" in result["machine"] and "cpu_flags" in result["machine"]
     recs = {(r["method"], r["nprocs"]): r for r in result["records"]}
+    # The control is added to a subset and timed in the same rounds.
     assert set(recs) == {(m, n) for m in ("independent", "ddp_no_buffer_broadcast") for n in (1, 2)}
     for r in recs.values():
         assert r["status"] == "ok", _why(r)
         for key in ("samples_per_s", "step_s", "peak_mem_mb", "final_loss", "speedup",
-                    "efficiency", "threads_per_rank"):
+                    "efficiency", "threads_per_rank", "reliability", "flags"):
             assert key in r, key
         assert r["samples_per_s"] > 0 and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert [x["round"] for x in r["rounds"]] == [0, 1]
+        assert r["samples_per_s_lo"] <= r["samples_per_s"] <= r["samples_per_s_hi"]
+        for x in r["rounds"]:  # the machine's load around every launch
+            assert x["load"]["wall_s"] > 0 and "foreign_cores" in x["load"]
+    for m in ("independent", "ddp_no_buffer_broadcast"):
+        r = recs[(m, 2)]
+        assert r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"] and r["speedup_rounds"] == 2
     assert "comm_s" in recs[("ddp_no_buffer_broadcast", 2)]
+    assert [c["nprocs"] for c in result["verdict"]["control"]] == [2]
     assert result["cost_model"]["bandwidth_Bps"] > 0
-    rows = list(csv.DictReader(open(tmp_path / "latest.csv")))
-    assert len(rows) == 4 and {"method", "nprocs", "samples_per_s", "speedup"} <= set(rows[0])
-    for png in ("speedup.png", "efficiency.png", "throughput.png", "memory.png"):
-        data = (tmp_path / png).read_bytes()
+    run = tmp_path / "latest"
+    rows = list(csv.DictReader(open(run / "results.csv")))
+    assert len(rows) == 4 and {"method", "nprocs", "samples_per_s", "speedup", "speedup_lo",
+                               "speedup_hi", "reliability"} <= set(rows[0])
+    for png in ("speedup.png", "efficiency.png", "throughput.png", "memory.png",
+                "step_split.png", "costmodel.png"):
+        data = (run / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, png
-    assert "| independent | 2 | ok |" in (tmp_path / "summary.md").read_text()
+    assert not (run / "scaling.png").exists()  # lines over N only beyond 2 devices
+    summary = (run / "summary.md").read_text()
+    assert "| independent | 2 | ok |" in summary and "Can these numbers be trusted?" in summary
+    # The end of the run says in words whether the machine was busy.
+    assert "control `independent`" in proc.stdout
 
 
 @pytest.mark.slow
@@ -62,7 +89,7 @@ def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_p
     proc = _bench(tmp_path, "--methods", "broken,stuck,independent", "--nprocs", "1",
                   "--timeout", "15")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    recs = {r["method"]: r for r in json.loads((tmp_path / "latest.json").read_text())["records"]}
+    recs = {r["method"]: r for r in _latest(tmp_path)["records"]}
     assert recs["broken"]["status"] == "failed"
     assert "broken on purpose" in recs["broken"]["detail"]
     assert recs["stuck"]["status"] == "timeout"
@@ -73,9 +100,9 @@ def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_p
 @pytest.mark.timeout(300)
 def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_rank(tmp_path):
     proc = _bench(tmp_path, "--methods", "ddp_torchrun,lightning_ddp,ddp_spawn,broken_torchrun",
-                  "--nprocs", "2", "--timeout", "120")
+                  "--nprocs", "2", "--timeout", "120", "--rounds", "1", "--no-control")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    recs = {r["method"]: r for r in json.loads((tmp_path / "latest.json").read_text())["records"]}
+    recs = {r["method"]: r for r in _latest(tmp_path)["records"]}
     for name in ("ddp_torchrun", "lightning_ddp", "ddp_spawn"):
         assert recs[name]["status"] == "ok", _why(recs[name])
         assert recs[name]["samples_per_s"] > 0 and "comm_s" in recs[name]
@@ -113,11 +140,14 @@ def test_lesson07_speed_script_times_both_loops_and_its_diagnostic_removes_the_b
 
 @pytest.mark.timeout(120)
 def test_a_run_with_no_success_keeps_the_previous_good_results(tmp_path):
-    (tmp_path / "latest.json").write_text('{"good": true}')
+    good = tmp_path / "20000101-000000"
+    good.mkdir()
+    (good / "results.json").write_text('{"good": true}')
+    (tmp_path / "latest").symlink_to(good.name)
     proc = _bench(tmp_path, "--methods", "broken", "--nprocs", "1")
     assert proc.returncode == 1
-    assert json.loads((tmp_path / "latest.json").read_text()) == {"good": True}
-    assert "left as they were" in proc.stderr
+    assert _latest(tmp_path) == {"good": True}
+    assert "still points at the last good run" in proc.stderr
 
 
 def test_bad_arguments_get_one_clear_line(tmp_path):
@@ -144,3 +174,187 @@ def test_fit_recovers_latency_and_bandwidth():
     assert fitted.bandwidth_Bps == pytest.approx(2e9, rel=1e-6)
     with pytest.raises(ValueError):
         fit_ring([1, 2], [0.1, 0.1], n=1)
+
+
+# ----------------------------------------------------------- intervals and a busy machine
+
+
+def _rec(method, n, thr, foreign=0.0, sweep=None):
+    """A record as the harness builds it, from synthetic per-round throughputs."""
+    from benchmarks.analysis import summarize_record
+
+    rec = {"method": method, "nprocs": n, "status": "ok", "rounds": [
+        {"round": i, "status": "ok", "samples_per_s": t, "step_times": [64 * n / t],
+         "load": {"wall_s": 1.0, "foreign_cores": foreign, "steal": 0.0, "load1": 0.5,
+                  "cpus": 2}} for i, t in enumerate(thr)]}
+    if sweep is not None:
+        rec["sweep"] = sweep
+    summarize_record(rec)
+    return rec
+
+
+def test_paired_ratio_interval_matches_a_hand_computed_t_interval():
+    # Ratios 1.8, 2.0, 1.9 (paired by round): logs' mean m and sd s; 95% t with 2 df = 4.303.
+    ci = ratio_ci([180.0, 210.0, 190.0], [100.0, 105.0, 100.0])
+    logs = [math.log(1.8), math.log(2.0), math.log(1.9)]
+    m = sum(logs) / 3
+    s = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    assert ci["value"] == pytest.approx(math.exp(m))
+    assert ci["lo"] == pytest.approx(math.exp(m - 4.303 * s / math.sqrt(3)))
+    assert ci["hi"] == pytest.approx(math.exp(m + 4.303 * s / math.sqrt(3)))
+    assert ci["n"] == 3 and ci["lo"] < ci["value"] < ci["hi"]
+
+
+def test_pairing_cancels_a_drift_that_hits_both_sides_of_a_round():
+    # The machine slows down 2x between rounds; within each round the speedup is exactly 1.9.
+    one, two = [100.0, 50.0, 25.0], [190.0, 95.0, 47.5]
+    ci = ratio_ci(two, one)
+    assert ci["value"] == pytest.approx(1.9) and ci["hi"] - ci["lo"] == pytest.approx(0.0)
+    single = ratio_ci([190.0], [100.0])
+    assert single["value"] == pytest.approx(1.9) and single["lo"] is None  # no interval from one
+
+
+def test_speedups_pair_rounds_and_carry_their_intervals():
+    recs = [_rec("independent", 1, [100, 102, 98]), _rec("independent", 2, [190, 196, 188]),
+            _rec("ddp_spawn", 1, [90, 92, 91]), _rec("ddp_spawn", 2, [160, 170, 150]),
+            _rec("ddp_spawn", 1, [300, 310, 305], sweep=32),
+            _rec("ddp_spawn", 2, [400, 420, 390], sweep=32)]
+    add_speedups(recs)
+    ind2, ddp1, ddp2, sw2 = recs[1], recs[2], recs[3], recs[5]
+    assert ddp1["speedup"] == 1.0 and ddp1["speedup_lo"] is None
+    assert ddp2["speedup_vs"] == "ddp_spawn"  # its own N = 1, not the control's
+    assert ddp2["speedup_lo"] < ddp2["speedup"] < ddp2["speedup_hi"]
+    assert ddp2["efficiency"] == pytest.approx(ddp2["speedup"] / 2)
+    assert ind2["speedup"] == pytest.approx(ratio_ci([190, 196, 188], [100, 102, 98])["value"])
+    assert sw2["speedup"] == pytest.approx(ratio_ci([400, 420, 390], [300, 310, 305])["value"])
+    verdict = judge(recs)
+    assert not verdict["busy"] and all(r["reliability"] == "ok" for r in recs)
+    assert "No sign of a busy machine" in verdict["messages"][-1]
+
+
+def test_a_busy_control_flags_every_speedup_and_the_run_says_so():
+    # The control reaches 1.2x of 2 (efficiency 0.6): other work was taking the cores.
+    recs = [_rec("independent", 1, [100, 101, 99]), _rec("independent", 2, [120, 122, 118]),
+            _rec("ddp_spawn", 1, [90, 91, 92]), _rec("ddp_spawn", 2, [150, 152, 149])]
+    add_speedups(recs)
+    verdict = judge(recs, control_floor=0.85)
+    assert verdict["busy"] and verdict["control"][0]["short"]
+    for r in recs:
+        if r["nprocs"] == 2:
+            assert r["reliability"] == BUSY and "control `independent`" in r["flags"][0]
+        else:
+            assert r["reliability"] == "ok"
+    assert any("SHORT, the machine was busy" in m for m in verdict["messages"])
+    assert any(BUSY in m and "ddp_spawn N=2" in m for m in verdict["messages"])
+
+
+def test_a_speedup_above_ideal_beyond_its_interval_is_flagged():
+    recs = [_rec("independent", 1, [100, 101, 99]), _rec("independent", 2, [190, 192, 189]),
+            # N = 1 was slowed down in every round: 2.4x on 2 ranks, a tight interval.
+            _rec("ddp_overlap", 1, [80, 81, 79]), _rec("ddp_overlap", 2, [192, 195, 190]),
+            # Above 2 but within its (wide) interval: not flagged.
+            _rec("ddp_naive", 1, [100, 60, 100]), _rec("ddp_naive", 2, [205, 190, 180])]
+    add_speedups(recs)
+    judge(recs)
+    over = recs[3]
+    assert over["speedup_lo"] > 2 and over["reliability"] == BUSY
+    assert "above the ideal 2" in over["flags"][0]
+    wide = recs[5]
+    assert wide["speedup"] > 2 and wide["speedup_lo"] < 2 and wide["reliability"] == "ok"
+    assert recs[1]["reliability"] == "ok"  # the control itself is fine
+
+
+def test_other_processes_on_the_cpu_flag_a_result_and_its_speedup():
+    recs = [_rec("independent", 1, [100, 101, 99]), _rec("independent", 2, [190, 192, 189]),
+            _rec("ddp_spawn", 1, [90, 91, 92], foreign=1.2), _rec("ddp_spawn", 2, [170, 171, 172])]
+    add_speedups(recs)
+    judge(recs)
+    assert recs[2]["reliability"] == BUSY and "1.20 cores" in recs[2]["flags"][0]
+    assert recs[3]["reliability"] == BUSY and "N=1 run" in recs[3]["flags"][0]
+
+
+def test_machine_load_separates_other_processes_from_ours():
+    # 2 CPUs, 100 ticks/s, 1 s: 150 ticks busy (user+system), 10 stolen; ours used 0.5 s.
+    before = {"t": 0.0, "stat": read_proc_stat("cpu 1000 0 500 5000 0 0 0 0"), "load1": 1.0}
+    after = {"t": 1.0, "stat": read_proc_stat("cpu 1100 0 550 5040 0 0 0 10"), "load1": 2.0}
+    load = machine_load(before, after, ours_cpu_s=0.5, hz=100)
+    assert load["cpus"] == 2 and load["load1"] == 2.0
+    assert load["foreign_cores"] == pytest.approx(1.0)
+    assert load["steal"] == pytest.approx(10 / 200)
+    assert read_proc_stat("intr 1 2 3") is None
+
+
+def test_summary_of_the_reference_results_reads_without_intervals():
+    """The committed reference (one run, before the rounds) still renders: README, notebook."""
+    from benchmarks.run import REFERENCE, summary_markdown
+
+    result = json.loads((REFERENCE / "results.json").read_text())
+    text = summary_markdown(result)
+    assert "| ddp_spawn | 2 | ok |" in text and "no intervals" in text
+
+
+# ------------------------------------------------------- a run leaves tracked files alone
+
+
+def test_runs_go_to_an_ignored_folder_and_the_reference_is_shown_until_there_is_one(tmp_path):
+    from benchmarks.run import REFERENCE, RUNS, build_parser, latest_results
+
+    assert build_parser().parse_args([]).out == RUNS
+    probe = RUNS.relative_to(REPO) / "20990101-000000" / "results.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=REPO)
+    assert ignored.returncode == 0, f"{probe} is not ignored by git"
+    tracked = subprocess.run(["git", "ls-files", str(REFERENCE.relative_to(REPO))], cwd=REPO,
+                             capture_output=True, text=True).stdout.split()
+    assert "benchmarks/reference/results.json" in tracked
+    path, what = latest_results(tmp_path / "runs", REFERENCE)
+    assert path == REFERENCE / "results.json" and "reference" in what
+    run = tmp_path / "runs" / "20990101-000000"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text("{}")
+    (tmp_path / "runs" / "latest").symlink_to(run.name)
+    assert latest_results(tmp_path / "runs", REFERENCE) == ((run / "results.json").resolve(),
+                                                              "your latest run")
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_run_writes_only_under_out_and_leaves_git_status_alone(tmp_path):
+    def state():
+        """Changes to the committed results, and files git would list as new."""
+        git = ["git", "-c", "core.quotepath=off"]
+        changed = subprocess.run([*git, "status", "--porcelain", "--", "benchmarks/reference",
+                                  "benchmarks/results"], cwd=REPO, capture_output=True,
+                                 text=True).stdout
+        new = subprocess.run([*git, "ls-files", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, text=True).stdout
+        return changed, new
+
+    before = state()
+    proc = _bench(tmp_path, "--methods", "independent", "--nprocs", "1", "--rounds", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "latest" / "results.json").is_file()
+    assert state() == before
+
+
+@pytest.mark.timeout(120)
+def test_plots_draw_lines_over_n_only_beyond_two_devices(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from benchmarks.run import make_plots
+
+    def result(ns):
+        recs = [_rec(m, n, [100.0 * n * f, 98.0 * n * f, 101.0 * n * f])
+                for m, f in (("independent", 1.0), ("ddp_spawn", 0.9)) for n in ns]
+        for r in recs:
+            r.update(peak_mem_mb=100.0, mem_kind="process peak RSS", per_rank_batch=64)
+        add_speedups(recs)
+        return {"machine": {"label": "test"}, "config": {"rounds": 3}, "records": recs,
+                "verdict": judge(recs)}
+
+    four, two = tmp_path / "four", tmp_path / "two"
+    four.mkdir()
+    two.mkdir()
+    assert {p.name for p in make_plots(result([1, 2, 4]), four)} >= {
+        "speedup.png", "efficiency.png", "throughput.png", "memory.png", "scaling.png"}
+    names = {p.name for p in make_plots(result([1, 2]), two)}
+    assert "speedup.png" in names and "scaling.png" not in names
