@@ -389,16 +389,16 @@ def run_torchrun(name: str, n: int, cfg: Config) -> list[dict]:
     import subprocess
     import tempfile
 
-    from dpt.dist import find_free_port
     from dpt.testing import RankFailure
 
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="dpt-bench-torchrun-") as tmp:
         out = Path(tmp)
         (out / "config.json").write_text(json.dumps(asdict(cfg)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc-per-node={n}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=0",
+        # --standalone: the agent binds its rendezvous store to a port the OS picks (port 0),
+        # so no port chosen here can be taken by another run before torchrun binds it.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={n}", "--max-restarts=0",
                "-m", "benchmarks.torchrun_worker", name, str(out)]
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads_per_rank),
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")

@@ -107,7 +107,7 @@ def items(n_gpus: int, tmp: Path) -> list[Item]:
 
 def check_benchmark(out_dir: Path) -> str | None:
     """None when the quick benchmark ran every method without failure and fitted its model."""
-    files = sorted(out_dir.rglob("latest.json")) or sorted(out_dir.rglob("*.json"))
+    files = sorted(out_dir.rglob("results.json")) or sorted(out_dir.rglob("latest.json"))
     if not files:
         return "no results JSON written"
     result = json.loads(files[0].read_text())
