@@ -545,3 +545,18 @@ def test_apex_cli_catches_the_digit_zero_and_explains_missing_apex():
     assert proc.returncode == 0, proc.stderr
     assert "O2" in proc.stdout and "GradScaler" in proc.stdout
     assert "Apex variant not run" in proc.stdout or "Apex O1" in proc.stdout
+
+
+@pytest.mark.task("06.1")
+def test_autocast_runs_in_the_dtype_asked_for_not_the_devices_default(amp):
+    # CPU autocast defaults to bf16 (CUDA's to fp16), so a step that leaves out
+    # `dtype=` passes every bf16 test on a CPU and then runs bf16 where fp16 was asked for.
+    model, _ = _models(factory=ConvNet)
+    seen = set()
+    for mod in model.modules():
+        if isinstance(mod, (nn.Conv2d, nn.Linear)):
+            mod.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    amp.amp_train_step(model, _batch(), _sgd(model), CPU, torch.float16, None)
+    assert seen == {torch.float16}, (
+        f"asked for float16, the layers ran in {sorted(map(str, seen))}: is `dtype=dtype` "
+        "passed to torch.autocast?")
