@@ -2,6 +2,10 @@
 
 Lightning's ``ddp`` strategy re-runs the script it was started from, so every multi-process
 run here is a subprocess of a lesson script with a timeout, never a Trainer inside pytest.
+
+Time limits: each run starts Python, torch and Lightning in two or three processes, 10-40 s on
+an idle machine and several times that under a CPU hog. The limits only stop a hung run, so
+they leave that room: these tests check what is trained, never how fast.
 """
 
 from __future__ import annotations
@@ -222,11 +226,11 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
 
 @requires_data
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(330)
 @pytest.mark.task("07.5")
 def test_fabric_trains_on_two_cpu_processes():
     proc = run_script(script(LESSON, "fabric_ddp.py"), "--devices", "2", "--limit", "512",
-                      "--batch-size", "64", timeout=100)
+                      "--batch-size", "64", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -271,7 +275,7 @@ def _run_strategy(strategy, ckpt):
     proc = run_script(script(LESSON, "lit_train.py"), "--devices", "2", "--strategy", strategy,
                       "--batch-size", str(PER_RANK_BATCH), "--train-limit", str(TRAIN_N),
                       "--val-limit", str(VAL_N), "--seed", str(SEED), "--ckpt", str(ckpt),
-                      timeout=150)
+                      timeout=360)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1, "rank 0 alone prints the result"
@@ -280,7 +284,7 @@ def _run_strategy(strategy, ckpt):
 
 @requires_data
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(420)
 @pytest.mark.task("07.2")
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_notebook"])
 def test_strategy_matches_single_device_and_logs_whole_set_metrics(lf, reference, strategy,
@@ -328,21 +332,21 @@ def test_strategy_matches_single_device_and_logs_whole_set_metrics(lf, reference
     (["--accelerator", "gpu"], "no"),
     (["--devices", "0"], "at least 1"),
 ])
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_gpu_only_choices_stop_on_cpu_with_one_clear_line(args, needle):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = run_script(script(LESSON, "lit_train.py"), *args, timeout=50)
+    proc = run_script(script(LESSON, "lit_train.py"), *args, timeout=150)
     assert needle in one_line_error(proc)
 
 
 @requires_data
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(270)
 def test_bf16_mixed_precision_trains_on_cpu():
     proc = run_script(script(LESSON, "lit_train.py"), "--precision", "bf16-mixed",
                       "--train-limit", "256", "--val-limit", "64", "--batch-size", "32",
-                      timeout=80)
+                      timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(next(ln for ln in proc.stdout.splitlines()
                              if ln.startswith("RESULT "))[7:])
