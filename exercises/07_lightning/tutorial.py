@@ -112,7 +112,7 @@ print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
 
 # %% [markdown]
 # The same run as a script, where `ddp` can re-run it (the tests do this, with a timeout):
-# `python solutions/07_lightning/lit_train.py --devices 2 --strategy ddp --train-limit 2048`.
+# `python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp --train-limit 2048`.
 # There each rank prints which sampler Lightning put in its loader: a `DistributedSampler` over
 # half of the data, though `FashionDataModule` made a plain shuffled `DataLoader`; and
 # `prepare_data` runs once, `setup` on both ranks. A gotcha worth knowing: for the training

@@ -170,7 +170,7 @@ print(f"test accuracy of the gathered model after 30 steps: {acc_fsdp:.1%}")
 #
 # In Lightning the whole of section 3 is one argument: `pl.Trainer(strategy="fsdp",
 # accelerator="gpu", devices=N)`. As lesson 07 showed, its FSDPStrategy refuses the CPU, so
-# here it explains itself instead (`python solutions/08_sharding/fsdp2_train.py --lightning`).
+# here it explains itself instead (`python exercises/08_sharding/fsdp2_train.py --lightning`).
 
 # %%
 try:
