@@ -1,6 +1,11 @@
 """Lesson 02: DataParallel by hand.
 
-``nn.DataParallel`` does four things on every forward (seed 002's figure):
+``nn.DataParallel`` does four things on every forward::
+
+                  +-> chunk 0 -> replica 0 -> out 0 -+
+    batch -scatter+-> chunk 1 -> replica 1 -> out 1 -+-gather-> output, on the root device
+                  +-> chunk 2 -> replica 2 -> out 2 -+
+                      (each replica: a fresh copy of the root's weights)
 
 1. **scatter** the batch into N chunks along dimension 0 (the last chunk may be smaller);
 2. **replicate** the model: N copies whose weights are *copies of the root's*, made afresh on

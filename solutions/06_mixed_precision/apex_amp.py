@@ -1,6 +1,6 @@
 """Lesson 06: NVIDIA Apex's amp, the historical path, and what replaced each piece.
 
-Seed 003 (2019) trains with::
+The 'Distributed data parallel training in PyTorch' tutorial (2019) trains with::
 
     model, optimizer = amp.initialize(model, optimizer, opt_level='O2')
     with amp.scale_loss(loss, optimizer) as scaled_loss:
@@ -70,7 +70,7 @@ class OptLevelError(ValueError):
 def check_opt_level(opt_level: str) -> str:
     """Return the canonical opt_level ``"O0"``..``"O3"`` (capital letter O, then a digit).
 
-    Seed 003 warns that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
+    Apex's users are warned that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
     lowercase ``"o1"`` is another. Both raise an OptLevelError that names the fix.
     """
     # BEGIN SOLUTION 06.4: strip the string; if it is in OPT_LEVELS return it; if it is "0"+digit, "o"+digit or similar, raise OptLevelError saying "letter O, not digit 0" and naming the right spelling; otherwise raise OptLevelError listing the valid levels
@@ -120,7 +120,7 @@ def print_tables() -> None:
 
 
 def train_with_apex(opt_level: str, steps: int, batch_size: int = 64) -> list[float]:  # pragma: no cover - needs CUDA + Apex
-    """Seed 003's Apex loop (single GPU). Only runs where :func:`apex_status` says yes."""
+    """The 2019 tutorial's Apex loop (single GPU). Only runs where :func:`apex_status` says yes."""
     import torch.nn.functional as F
     from apex import amp  # noqa: PLC0415 - optional dependency
 

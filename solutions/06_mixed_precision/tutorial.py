@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Lesson 06: mixed precision, from Apex's amp to `torch.amp`
 #
-# Seed 003 ends with "a bonus": mixed-precision DDP with NVIDIA Apex,
+# The 'Distributed data parallel training in PyTorch' tutorial ends with "a bonus": mixed-precision DDP with NVIDIA Apex,
 # `amp.initialize(model, optimizer, opt_level='O2')` and `with amp.scale_loss(...)`. Apex's
 # amp now lives inside PyTorch as `torch.amp`. This lesson explains why mixed precision works,
 # writes the step you should write today, puts it under DDP, and maps the Apex calls to it.
@@ -260,7 +260,7 @@ print("ranks hold identical weights:", torch.equal(results[0]["params"], results
 # | `with amp.scale_loss(loss, opt) as s: s.backward()` | scaled backward | `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` |
 # | `apex.parallel.DistributedDataParallel` | Apex's DDP | `torch.nn.parallel.DistributedDataParallel` |
 #
-# Seed 003 warns that `opt_level` starts with the capital **letter O**. `'01'` with a zero is
+# That tutorial warns that `opt_level` starts with the capital **letter O**. `'01'` with a zero is
 # the classic typo; `check_opt_level` turns it into an error that says so.
 
 # %%
@@ -272,7 +272,7 @@ for level in ["O2", "01"]:
 print("Apex here?", apex_amp.apex_status())
 
 # %% [markdown]
-# `apex_amp.py` runs seed 003's Apex loop only where NVIDIA Apex really is installed and a GPU
+# `apex_amp.py` runs that tutorial's Apex loop only where NVIDIA Apex really is installed and a GPU
 # exists. `pip install apex` installs an unrelated PyPI package; NVIDIA Apex is built from
 # source against your CUDA toolkit. On this machine the script prints the table and why it
 # did not run.
