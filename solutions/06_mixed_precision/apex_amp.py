@@ -73,7 +73,7 @@ def check_opt_level(opt_level: str) -> str:
     Apex's users are warned that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
     lowercase ``"o1"`` is another. Both raise an OptLevelError that names the fix.
     """
-    # BEGIN SOLUTION 06.4: strip the string; if it is in OPT_LEVELS return it; if it is "0"+digit, "o"+digit or similar, raise OptLevelError saying "letter O, not digit 0" and naming the right spelling; otherwise raise OptLevelError listing the valid levels
+    # BEGIN SOLUTION 06.4: return O0-O3 as they are; for '01' or 'o1' raise with the right spelling; reject the rest
     if not isinstance(opt_level, str):
         raise OptLevelError(f"opt_level must be a string like 'O1', got {opt_level!r}")
     level = opt_level.strip()

@@ -117,15 +117,12 @@ for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfl
 #
 # ## 4. The step (task 06.1)
 #
-# ```python
-# with torch.autocast(device.type, dtype=dtype):   # forward and loss, nothing else
-#     loss = loss_fn(model(x), y)
-# scaler.scale(loss).backward()                     # the SCALED loss, outside autocast
-# scaler.unscale_(optimizer)                        # true gradients ...
-# clip_grad_norm_(model.parameters(), max_norm)     # ... before clipping
-# scaler.step(optimizer)                            # skipped on inf/NaN
-# scaler.update()                                   # back off or grow
-# ```
+# The order is the whole task. Under autocast: the forward and the loss, nothing else.
+# Outside it: backward on the **scaled** loss, then the gradients are **unscaled** (back to
+# their true size) before they are clipped, then the optimizer steps **through the scaler**
+# (which skips the step when a gradient is inf or NaN), and finally the scaler **updates** its
+# scale. Without a scaler (fp32, bf16) the same step is a plain backward, clip and step.
+# `HINTS.md` in the lesson folder gives the API names if you are stuck.
 #
 # Five ways to get it wrong, and what each does (each is a test in `tests/l06_mixed_precision`):
 # `loss.backward()` instead of `scaler.scale(loss).backward()` divides true gradients by `S`
