@@ -90,9 +90,19 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## DataParallel by hand
 #
-# Here are the four steps: scatter, replicate, parallel apply, gather. With no GPU we use one thread per replica,
-# and each thread gets `cores // N` intra-op threads, so that N replicas do not oversubscribe
-# the cores. Torch releases the GIL inside its kernels, so the replicas really do run at the
+# Here are the four steps, drawn for 3 devices and a batch of 7 (the same figure is
+# `figures/data_parallel.svg` in the lesson folder; `figures/dp_diagram.py` draws it):
+
+# %%
+from figures import dp_diagram
+
+dp_diagram.draw(n=3, batch=7)
+plt.show()
+
+# %% [markdown]
+# You write each step as a function: `scatter`, `replicate`, `parallel_apply`, `gather`.
+# With no GPU we use one thread per replica, and each thread gets `cores // N` intra-op
+# threads, so that N replicas do not oversubscribe the cores. Torch releases the GIL inside its kernels, so the replicas really do run at the
 # same time. On CUDA the same functions call torch's `nn.parallel` primitives.
 
 # %%

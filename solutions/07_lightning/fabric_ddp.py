@@ -49,7 +49,7 @@ def raw_ddp_epoch(model, optimizer, dataset, batch_size: int, device, epoch: int
 
 def fabric_loader(fabric, dataset, batch_size: int):
     """A plain shuffled DataLoader, handed to Fabric (create it once, iterate every epoch)."""
-    # BEGIN SOLUTION 07.5: wrap DataLoader(dataset, batch_size, shuffle=True) with fabric.setup_dataloaders
+    # BEGIN SOLUTION 07.5: a plain shuffled DataLoader, handed to Fabric
     # Fabric: swaps in a DistributedSampler, moves batches to the device, sets the epoch.
     return fabric.setup_dataloaders(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     # END SOLUTION

@@ -171,9 +171,9 @@ display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswit
 # ## Lightning Fabric: a raw loop with a handful of changed lines
 #
 # `fabric_ddp.py` holds lesson 03's loop (`raw_ddp_epoch`) and the same loop after
-# conversion: `fabric.launch()`, `fabric.setup(model, optimizer)`,
-# `fabric.setup_dataloaders(loader)`, `fabric.backward(loss)`, and no `.to(device)`. Run
-# with `devices=2` on CPU:
+# conversion: `fabric.launch()` starts the ranks, `fabric.setup(model, optimizer)` wraps the
+# model in DDP, the `.to(device)` calls go, and two more changes, to the data loader and to
+# the backward, are task 07.5. Run with `devices=2` on CPU:
 
 # %%
 proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
