@@ -202,7 +202,7 @@ print("from the full batch ", full[1].running_mean)
 # synchronizes the device before each clock read, and takes the median of repeats. Here a
 # "device" is a share of the CPU cores, `cores // N` threads. We compare one device, N devices
 # by hand, and one model given all the threads (the CPU's own intra-op parallelism). The
-# full sweep is `python dp_timing.py`. This one is small so that the notebook stays quick.
+# full sweep is `.venv/bin/python solutions/02_data_parallel/dp_timing.py`. This one is small so that the notebook stays quick.
 
 # %%
 n = max(2, cpu_budget())

@@ -9,10 +9,10 @@ after an overflow, up after enough good steps). ``HINTS.md`` has more, step by s
 fp16 (CUDA) needs the scaler; bf16 has fp32's exponent range and does not. The same step
 function serves both: ``scaler=None`` means no scaling.
 
-    python amp_train.py --precision auto --steps 200
-    python amp_train.py --precision bf16 --device cpu --steps 100 --checkpoint /tmp/amp.pt
-    python amp_train.py --precision bf16 --steps 200 --checkpoint /tmp/amp.pt --resume
-    python amp_train.py --precision 32 --force-scaler --inject-inf 5 --steps 20   # watch a skip
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision auto --steps 200
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision bf16 --device cpu --steps 100 --checkpoint /tmp/amp.pt
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision bf16 --steps 200 --checkpoint /tmp/amp.pt --resume
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision 32 --force-scaler --inject-inf 5 --steps 20   # watch a skip
 """
 
 from __future__ import annotations

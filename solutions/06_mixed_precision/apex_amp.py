@@ -11,8 +11,8 @@ Apex's amp was deprecated once ``torch.cuda.amp`` (now ``torch.amp``) shipped in
 This script runs the Apex variant only when NVIDIA Apex is really importable, on a GPU;
 otherwise it says why and prints the table mapping it to ``torch.amp``.
 
-    python apex_amp.py               # the table, and whether Apex can run here
-    python apex_amp.py --opt-level O1 --steps 50   # on a CUDA machine with NVIDIA Apex built
+    .venv/bin/python solutions/06_mixed_precision/apex_amp.py               # the table, and whether Apex can run here
+    .venv/bin/python solutions/06_mixed_precision/apex_amp.py --opt-level O1 --steps 50   # on a CUDA machine with NVIDIA Apex built
 
 Installing NVIDIA Apex: ``pip install apex`` fetches an unrelated PyPI package. NVIDIA Apex is
 built from source: ``git clone https://github.com/NVIDIA/apex && cd apex && pip install -v

@@ -242,8 +242,10 @@ for r in results:
 print("ranks hold identical weights:", torch.equal(results[0]["params"], results[1]["params"]))
 
 # %% [markdown]
-# From a terminal: `python ddp_amp.py --precision bf16 --nprocs 2 --steps 50`, or under
-# torchrun: `torchrun --standalone --nproc-per-node 2 ddp_amp.py --precision 32`.
+# From a terminal, at the repository root: `.venv/bin/python
+# solutions/06_mixed_precision/ddp_amp.py --precision bf16 --nprocs 2 --steps 50`, or under
+# torchrun: `.venv/bin/torchrun --standalone --nproc-per-node 2
+# solutions/06_mixed_precision/ddp_amp.py --precision 32`.
 #
 # ## 8. Apex, the historical path (task 06.4)
 #

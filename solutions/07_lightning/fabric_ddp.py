@@ -5,8 +5,8 @@ DistributedSampler, wrap the model in DDP, move every batch by hand. ``fabric_ep
 the same loop after the Fabric conversion; the lines that changed are marked ``# Fabric``.
 Fabric launches the processes, picks the device, adds the sampler and wraps the model.
 
-    python solutions/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 CPU processes
-    python solutions/07_lightning/fabric_ddp.py --devices 2 --limit 2048 --epochs 2
+    .venv/bin/python solutions/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 CPU processes
+    .venv/bin/python solutions/07_lightning/fabric_ddp.py --devices 2 --limit 2048 --epochs 2
 """
 
 from __future__ import annotations
