@@ -3,7 +3,7 @@
 #
 # `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks and
 # writes `benchmarks/results/latest.json`. This notebook reads the latest results (the
-# committed ones come from a 2-core CPU with gloo, one thread per rank) and answers the seeds'
+# committed ones come from a 2-core CPU with gloo, one thread per rank) and answers the source tutorials'
 # question: **how much faster is N devices, and why not N times?**
 
 # %%
