@@ -1,7 +1,8 @@
 # Exercise file, generated from solutions/ by `make exercises`.
 # Replace each `raise NotImplementedError("Task ...")` with your code;
 # `make grade` scores each task.
-"""Lesson 07: the PyTorch Lightning MNIST notebook's ``TutorialModule`` and ``MNISTDataModule``, written for Lightning 2.x.
+"""Lesson 07: the ``TutorialModule`` and ``MNISTDataModule`` of the PyTorch Lightning MNIST
+notebook, written for Lightning 2.x.
 
 What changed from the notebook, and why:
 
@@ -10,10 +11,11 @@ What changed from the notebook, and why:
 - Validation metrics are reduced over *every* rank: the accuracy is a torchmetrics object
   (its ``compute()`` all-gathers its counts), the loss is a plain tensor logged with
   ``sync_dist=True``. Without that, each rank logs the number for its own half of the data.
-- The old Lightning multi-GPU guide's portable habits: no ``.cuda()`` / ``.to()`` inside the module, new tensors made on
-  ``self.device`` with the input's dtype, no hand-made ``DistributedSampler`` (the Trainer adds
-  one), and ``prepare_data`` (one process per machine touches the disk/network) versus
-  ``setup`` (every process builds its datasets, identically).
+- The portable habits of Lightning's old multi-GPU guide: no ``.cuda()`` / ``.to()`` inside
+  the module, new tensors made on ``self.device`` with the input's dtype, no hand-made
+  ``DistributedSampler`` (the Trainer adds one), and ``prepare_data`` (one process per
+  machine touches the disk or network) versus ``setup`` (every process builds its datasets,
+  identically).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--strategy", default="auto", choices=CPU_STRATEGIES + GPU_STRATEGIES)
     ap.add_argument("--precision", default="32-true", choices=PRECISIONS)
     ap.add_argument("--dataset", default="fashion-mnist")
-    ap.add_argument("--batch-size", type=int, default=16, help="per device (the Lightning MNIST notebook used 16)")
+    ap.add_argument("--batch-size", type=int, default=16, help="per device (default 16, as in the Lightning MNIST notebook)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--hidden-dim", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=1)
