@@ -1,11 +1,15 @@
-"""The seeds' models, written once for every lesson.
+"""The course's models, written once for every lesson.
 
-- :class:`ConvNet`: seed 003's two conv blocks (conv, batch norm, ReLU, max-pool) and a linear
-  head. The course's default model.
-- :class:`MLP`: seed 000's two-layer perceptron (784 -> hidden -> 10).
-- :class:`FashionCNN`: a wider CNN in the spirit of seed 002's Fashion-MNIST model, used where a
-  lesson wants more compute per sample (DataParallel timing, benchmarks).
-- :class:`LinearRegression`: seed 004's ``torch.nn.Linear(20, 1)`` for the toy dataset.
+- :class:`ConvNet`: the ConvNet of the "Distributed data parallel training in PyTorch"
+  tutorial: two conv blocks (conv, batch norm, ReLU, max-pool) and a linear head. The
+  course's default model.
+- :class:`MLP`: the two-layer perceptron of the PyTorch Lightning MNIST notebook
+  (784 -> hidden -> 10).
+- :class:`FashionCNN`: a wider CNN in the spirit of the Fashion-MNIST model of the DTU MLOps
+  course's distributed-training module, used where a lesson wants more compute per sample
+  (DataParallel timing, benchmarks).
+- :class:`LinearRegression`: ``torch.nn.Linear(20, 1)`` on the toy dataset, as in PyTorch's
+  DDP tutorial series.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ The generator replaces each block by one line, at the block's indentation::
 
     raise NotImplementedError("Task 03.2: all-reduce the correct/total counts ...")
 
-Every other file is copied as it is. Each lesson's ``tutorial.py`` (jupytext percent format)
+Every other file is copied as it is (README.md, HINTS.md, figures), except that in every text
+file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: commands in the
+student's tree run the student's code. Each lesson's ``tutorial.py`` (jupytext percent format)
 becomes ``notebooks/<lesson>.ipynb`` from its exercises version, without outputs.
 
 Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anything is stale),
@@ -32,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<task>\d\d\.\d+[a-z]?): (?P<hint>.+?)\s*$")
 END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
+LESSON_PATH = re.compile(r"(?<![\w.-])solutions/(?=\d\d_)")  # solutions/06_x -> exercises/06_x
 SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints", "runs", "checkpoints", "outputs"}
 SKIP_SUFFIXES = {".pyc", ".pt", ".pth", ".ckpt", ".png", ".log"}
 NOTEBOOK_SOURCE = "tutorial.py"
@@ -71,6 +74,11 @@ def strip_solutions(text: str, where: str = "<text>") -> tuple[str, list[str]]:
     if inside:
         raise MarkerError(f"{where}:{inside}: BEGIN SOLUTION is never closed")
     return "".join(out), tasks
+
+
+def to_exercises_paths(text: str) -> str:
+    """Point every ``solutions/NN_*`` path in ``text`` at ``exercises/NN_*``."""
+    return LESSON_PATH.sub("exercises/", text)
 
 
 def notebook_json(source: str) -> str:
@@ -115,10 +123,13 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
         dest = exercises / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix != ".py":
-            shutil.copyfile(path, dest)
+            try:
+                dest.write_text(to_exercises_paths(path.read_text()))
+            except UnicodeDecodeError:  # a binary file
+                shutil.copyfile(path, dest)
             shutil.copymode(path, dest)
             continue
-        text, found = strip_solutions(path.read_text(), str(rel))
+        text, found = strip_solutions(to_exercises_paths(path.read_text()), str(rel))
         if found and rel.name != NOTEBOOK_SOURCE:
             text = HEADER + text
             tasks.setdefault(rel.parts[0], []).extend(found)

@@ -10,9 +10,9 @@ The same code runs on CUDA, Apple's MPS and the CPU, because nothing in it names
 
 Run it::
 
-    python solutions/01_single_device/single_device.py --epochs 1
-    python solutions/01_single_device/single_device.py --model mlp --dataset mnist
-    python solutions/01_single_device/single_device.py --toy   # seed 004's Trainer on toy data
+    python exercises/01_single_device/single_device.py --epochs 1
+    python exercises/01_single_device/single_device.py --model mlp --dataset mnist
+    python exercises/01_single_device/single_device.py --toy   # seed 004's Trainer on toy data
 """
 
 from __future__ import annotations

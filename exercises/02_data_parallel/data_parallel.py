@@ -19,9 +19,9 @@ calls the module there. Either way it is lesson 01's training, which this script
 
 Run it::
 
-    python solutions/02_data_parallel/data_parallel.py --limit-batches 200
-    python solutions/02_data_parallel/data_parallel.py --device-ids 0,1 --epochs 1   # 2 GPUs
-    python solutions/02_data_parallel/data_parallel.py --checkpoint /tmp/dp.pt --limit-batches 50
+    .venv/bin/python exercises/02_data_parallel/data_parallel.py --limit-batches 200
+    .venv/bin/python exercises/02_data_parallel/data_parallel.py --device-ids 0,1 --epochs 1   # 2 GPUs
+    .venv/bin/python exercises/02_data_parallel/data_parallel.py --checkpoint /tmp/dp.pt --limit-batches 50
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def wrap(model: nn.Module, device_ids: list[int] | None = None
 
     ``device_ids=None`` means every visible GPU (the CPU when there is none).
     """
-    raise NotImplementedError("Task 02.7: root = cuda:device_ids[0] (or cuda:0 / cpu when None or no GPU); move the model to root FIRST, then return (nn.DataParallel(model, device_ids=device_ids), root)")
+    raise NotImplementedError("Task 02.7: put the model on the root device, then wrap it in nn.DataParallel")
 
 
 def train_step(dp_model: nn.Module, batch, optimizer: torch.optim.Optimizer,
@@ -87,7 +87,7 @@ def train_step(dp_model: nn.Module, batch, optimizer: torch.optim.Optimizer,
 
 def save_plain(dp_model: nn.Module, path: str | Path, **extra) -> Path:
     """Save the weights through ``.module`` so the keys have no ``module.`` prefix."""
-    raise NotImplementedError("Task 02.8: take the state_dict of dp_model.module (or dp_model itself when it has no .module) and atomic_save {\"model\": state_dict, **extra}")
+    raise NotImplementedError("Task 02.8: save the unwrapped model's weights (no 'module.' prefix) and the extras")
 
 
 def load_plain(path: str | Path, model: nn.Module, map_location="cpu") -> dict:
@@ -95,7 +95,7 @@ def load_plain(path: str | Path, model: nn.Module, map_location="cpu") -> dict:
 
     Returns the whole checkpoint dictionary.
     """
-    raise NotImplementedError("Task 02.8: ckpt.load(path), then load_state_dict(state[\"model\"]) into getattr(model, \"module\", model); return the dict")
+    raise NotImplementedError("Task 02.8: load the checkpoint into the plain model (or a wrapper's .module); return it")
 
 
 @torch.no_grad()

@@ -3,7 +3,12 @@
 # `make grade` scores each task.
 """Lesson 02: DataParallel by hand.
 
-``nn.DataParallel`` does four things on every forward (seed 002's figure):
+``nn.DataParallel`` does four things on every forward::
+
+                  +-> chunk 0 -> replica 0 -> out 0 -+
+    batch -scatter+-> chunk 1 -> replica 1 -> out 1 -+-gather-> output, on the root device
+                  +-> chunk 2 -> replica 2 -> out 2 -+
+                      (each replica: a fresh copy of the root's weights)
 
 1. **scatter** the batch into N chunks along dimension 0 (the last chunk may be smaller);
 2. **replicate** the model: N copies whose weights are *copies of the root's*, made afresh on
@@ -64,7 +69,7 @@ def scatter(x: torch.Tensor, n: int, devices: Sequence | None = None) -> list[to
     cuda = _cuda_devices(devices)
     if cuda is not None:
         return list(torch.nn.parallel.comm.scatter(x, cuda[:n], dim=0))
-    raise NotImplementedError("Task 02.1: chunk size ceil(B / n) along dim 0; slice x[i:i + size] for i in range(0, B, size) so the short last chunk is kept")
+    raise NotImplementedError("Task 02.1: split x along dim 0 into chunks of ceil(B / n) rows, keeping the short last chunk")
 
 
 # ---------------------------------------------------------------------------- 2. replicate
@@ -86,7 +91,7 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        raise NotImplementedError("Task 02.3: grads arrive replica by replica (n groups of k); return None (for n) followed by, for each of the k tensors, the SUM over replicas of its gradients")
+        raise NotImplementedError("Task 02.3: one gradient per input of forward: None for n, then each tensor's gradient summed over the replicas")
 
 
 def _copy_tree(module: nn.Module) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
@@ -124,7 +129,7 @@ def replicate(module: nn.Module, n: int, devices: Sequence | None = None) -> lis
     cuda = _cuda_devices(devices)
     if cuda is not None:
         return torch.nn.parallel.replicate(module, cuda[:n], detach=not torch.is_grad_enabled())
-    raise NotImplementedError("Task 02.2: params = list(module.parameters()); copies = Broadcast.apply(n, *params); for each replica r build _copy_tree(module) and, for each (orig, copy) pair, set copy._parameters[name] to the r-th copy of that parameter (look it up by id) and, when r > 0, copy._buffers[name] to a clone")
+    raise NotImplementedError("Task 02.2: give each replica its own module tree, wired to that replica's Broadcast copies of the parameters")
 
 
 # ----------------------------------------------------------------------- 3. parallel apply
@@ -155,7 +160,7 @@ def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[torch.Tensor]
     if cuda is not None:
         return torch.nn.parallel.parallel_apply(list(replicas), [(x,) for x in inputs],
                                                 devices=cuda[:len(replicas)])
-    raise NotImplementedError("Task 02.4: a ThreadPoolExecutor with one worker per replica; each worker runs replica(x) under torch.set_grad_enabled(<the caller's grad mode>); return [future.result() ...] in submission order")
+    raise NotImplementedError("Task 02.4: run each replica on its input in its own thread, in the caller's grad mode; outputs in order")
 
 
 # --------------------------------------------------------------------------------- 4. gather
@@ -170,7 +175,7 @@ def gather(outputs: Sequence[torch.Tensor], device: torch.device | str | int | N
     """
     if device is not None and torch.device(device).type == "cuda":
         return torch.nn.parallel.gather(list(outputs), torch.device(device), dim=0)
-    raise NotImplementedError("Task 02.5: torch.cat the outputs along dim 0 in their order (moved to `device` when one is given)")
+    raise NotImplementedError("Task 02.5: concatenate the outputs along dim 0, on the root device when one is given")
 
 
 # ---------------------------------------------------------------------------- all together
@@ -205,4 +210,4 @@ class DataParallelByHand(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         root = self.devices[0] if self.devices else None
-        raise NotImplementedError("Task 02.6: chunks = scatter(x, self.n, self.devices); replicas = replicate(self.module, len(chunks), self.devices); outputs = parallel_apply(...) run inside `with intra_op_threads(self.threads_per_replica)` on the CPU; return gather(outputs, root)")
+        raise NotImplementedError("Task 02.6: chain scatter, replicate, parallel_apply and gather (CPU: threads_per_replica threads each)")

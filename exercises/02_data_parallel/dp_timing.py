@@ -1,7 +1,7 @@
 # Exercise file, generated from solutions/ by `make exercises`.
 # Replace each `raise NotImplementedError("Task ...")` with your code;
 # `make grade` scores each task.
-"""Lesson 02: seed 002's question, measured. Does DataParallel make inference faster?
+"""Lesson 02: the timing question, measured. Does DataParallel make inference faster?
 
 Time the forward pass of the same model on 1 device and on N devices over a sweep of batch
 sizes, and plot latency against batch size. A fair clock needs three things:
@@ -27,9 +27,9 @@ split starts to pay, approaching (never reaching) N times faster.
 
 Run it::
 
-    python solutions/02_data_parallel/dp_timing.py                       # CPU: N = cores
-    python solutions/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
-    python solutions/02_data_parallel/dp_timing.py --out benchmarks/results/l02_dp_timing
+    .venv/bin/python exercises/02_data_parallel/dp_timing.py                       # CPU: N = cores
+    .venv/bin/python exercises/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
+    .venv/bin/python exercises/02_data_parallel/dp_timing.py --out benchmarks/results/l02_dp_timing
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from data_parallel import wrap
 from dp_by_hand import DataParallelByHand, intra_op_threads
 from torch import nn
 
@@ -62,7 +63,7 @@ def time_forward(model: nn.Module, x: torch.Tensor, device: torch.device | str,
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    raise NotImplementedError("Task 02.9: under torch.no_grad(): `warmup` untimed calls; then `repeats` times: synchronize(device), t0 = time.perf_counter(), model(x), synchronize(device), record perf_counter() - t0; return the statistics.median")
+    raise NotImplementedError("Task 02.9: time `repeats` forwards after `warmup` untimed ones, synchronizing around each; return the median")
 
 
 def gpu_count() -> int:
@@ -79,9 +80,7 @@ def sweep(batch_sizes: list[int], n_devices: int, model_name: str = "fashioncnn"
     result = {"model": model_name, "n_devices": n_devices, "batch_sizes": batch_sizes,
               "warmup": warmup, "repeats": repeats, "lines": {}}
     if gpus >= 2 and n_devices >= 2:
-        root = torch.device("cuda", 0)
-        model = model.to(root)
-        dp = nn.DataParallel(model, device_ids=list(range(n_devices)))
+        dp, root = wrap(model, list(range(n_devices)))  # task 02.7: the model is now on root
         variants = {"1 GPU": model, f"DataParallel, {n_devices} GPUs": dp}
         result.update(kind="cuda", label=f"{n_devices} x {torch.cuda.get_device_name(0)}")
         threads = {name: torch.get_num_threads() for name in variants}

@@ -19,10 +19,10 @@ job has ``nodes * gpus`` processes. Every machine runs the same command with its
 Run it (from the repository root)::
 
     # one machine, two processes (CPU: gloo; GPUs: NCCL, one GPU per process)
-    python solutions/03_ddp_spawn/ddp_spawn.py -g 2 --epochs 1
+    python exercises/03_ddp_spawn/ddp_spawn.py -g 2 --epochs 1
     # two "nodes" on one machine: two terminals, same port, -nr 0 and -nr 1
-    python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533
-    python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533
+    python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533
+    python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533
 """
 
 from __future__ import annotations

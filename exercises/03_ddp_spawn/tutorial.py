@@ -115,14 +115,14 @@ plt.show()
 #
 # ## The script, and two "nodes" on one machine
 #
-# From the repository root, `python solutions/03_ddp_spawn/ddp_spawn.py -g 2` starts two
+# From the repository root, `python exercises/03_ddp_spawn/ddp_spawn.py -g 2` starts two
 # processes with `mp.spawn`. To rehearse a multi-node job on one machine, open two terminals
 # and give both the same port (each "node" has 1 process; `--threads 1` because both share
 # the cores):
 #
 # ```
-# python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533 --threads 1
-# python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533 --threads 1
+# python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533 --threads 1
+# python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533 --threads 1
 # ```
 #
 # Node 0 waits until node 1 joins, then both train together; only global rank 0 prints.

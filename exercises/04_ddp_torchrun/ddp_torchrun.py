@@ -17,11 +17,11 @@ run that never failed.
 Run it (from the repository root; ``torchrun`` is ``python -m torch.distributed.run``)::
 
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # needed for restarts with gloo on torch 2.14
-    torchrun --standalone --nproc-per-node=2 solutions/04_ddp_torchrun/ddp_torchrun.py \\
+    torchrun --standalone --nproc-per-node=2 exercises/04_ddp_torchrun/ddp_torchrun.py \\
         --epochs 2 --snapshot runs/l04/snapshot.pt
     # a worker dies mid-epoch on the first attempt; torchrun restarts; training resumes:
     torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
-        solutions/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt \\
+        exercises/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt \\
         --fail-at 1:5 --fail-rank 1
 """
 

@@ -221,9 +221,9 @@ for key, value in snap.items():
 # ```bash
 # export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # torchrun --nnodes=2 --node-rank=0 --nproc-per-node=1 --rdzv-backend=c10d \
-#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo solutions/04_ddp_torchrun/ddp_torchrun.py
+#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo exercises/04_ddp_torchrun/ddp_torchrun.py
 # torchrun --nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=c10d \
-#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo solutions/04_ddp_torchrun/ddp_torchrun.py
+#     --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo exercises/04_ddp_torchrun/ddp_torchrun.py
 # ```
 #
 # With the `c10d` rendezvous the agents agree on node ranks among themselves in the order they

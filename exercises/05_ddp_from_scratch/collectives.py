@@ -20,7 +20,7 @@ ring model ``t = alpha + 2 (N-1)/N * bytes / bandwidth``.
 
 Timing study (rank processes started by ``dpt.testing.run_distributed``)::
 
-    python solutions/05_ddp_from_scratch/collectives.py --world-size 2 --max-mb 64
+    python exercises/05_ddp_from_scratch/collectives.py --world-size 2 --max-mb 64
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ DistributedSampler, wrap the model in DDP, move every batch by hand. ``fabric_ep
 the same loop after the Fabric conversion; the lines that changed are marked ``# Fabric``.
 Fabric launches the processes, picks the device, adds the sampler and wraps the model.
 
-    python solutions/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 CPU processes
-    python solutions/07_lightning/fabric_ddp.py --devices 2 --limit 2048 --epochs 2
+    .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 CPU processes
+    .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2 --limit 2048 --epochs 2
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def raw_ddp_epoch(model, optimizer, dataset, batch_size: int, device, epoch: int
 
 def fabric_loader(fabric, dataset, batch_size: int):
     """A plain shuffled DataLoader, handed to Fabric (create it once, iterate every epoch)."""
-    raise NotImplementedError("Task 07.5: wrap DataLoader(dataset, batch_size, shuffle=True) with fabric.setup_dataloaders")
+    raise NotImplementedError("Task 07.5: a plain shuffled DataLoader, handed to Fabric")
 
 
 def fabric_epoch(fabric, model, optimizer, loader, max_batches: int | None = None) -> list[float]:

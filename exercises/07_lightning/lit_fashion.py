@@ -1,19 +1,21 @@
 # Exercise file, generated from solutions/ by `make exercises`.
 # Replace each `raise NotImplementedError("Task ...")` with your code;
 # `make grade` scores each task.
-"""Lesson 07: seed 000's ``TutorialModule`` and ``MNISTDataModule``, written for Lightning 2.x.
+"""Lesson 07: the ``TutorialModule`` and ``MNISTDataModule`` of the PyTorch Lightning MNIST
+notebook, written for Lightning 2.x.
 
-What changed from the seed, and why:
+What changed from the notebook, and why:
 
 - ``Accuracy(task="multiclass", num_classes=10)``: torchmetrics 0.11+ needs the task.
 - No ``*_step_end`` / ``*_epoch_end`` hooks: Lightning 2.0 removed them (see ``lit_migration``).
 - Validation metrics are reduced over *every* rank: the accuracy is a torchmetrics object
   (its ``compute()`` all-gathers its counts), the loss is a plain tensor logged with
   ``sync_dist=True``. Without that, each rank logs the number for its own half of the data.
-- Seed 001's portable habits: no ``.cuda()`` / ``.to()`` inside the module, new tensors made on
-  ``self.device`` with the input's dtype, no hand-made ``DistributedSampler`` (the Trainer adds
-  one), and ``prepare_data`` (one process per machine touches the disk/network) versus
-  ``setup`` (every process builds its datasets, identically).
+- The portable habits of Lightning's old multi-GPU guide: no ``.cuda()`` / ``.to()`` inside
+  the module, new tensors made on ``self.device`` with the input's dtype, no hand-made
+  ``DistributedSampler`` (the Trainer adds one), and ``prepare_data`` (one process per
+  machine touches the disk or network) versus ``setup`` (every process builds its datasets,
+  identically).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _rank() -> int:
 
 
 class FashionDataModule(pl.LightningDataModule):
-    """Fashion-MNIST (or MNIST when present) held in memory, split 55k/5k like seed 000.
+    """Fashion-MNIST (or MNIST when present) held in memory, split 55k/5k like the notebook.
 
     ``train_limit`` / ``val_limit`` keep the first samples of each split, for short runs.
     ``shuffle=False`` makes the order deterministic, so a 2-rank run and a 1-rank run with a
@@ -90,7 +92,7 @@ def _head(ds, limit: int | None):
 
 
 class LitClassifier(pl.LightningModule):
-    """Seed 000's 2-layer MLP (hidden 128, Adam, lr 1e-4) as a Lightning 2.x module."""
+    """The notebook's 2-layer MLP (hidden 128, Adam, lr 1e-4) as a Lightning 2.x module."""
 
     def __init__(self, hidden_dim: int = 128, learning_rate: float = 1e-4,
                  noise_std: float = 0.0, num_classes: int = 10):

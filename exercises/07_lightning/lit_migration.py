@@ -1,9 +1,9 @@
 # Exercise file, generated from solutions/ by `make exercises`.
 # Replace each `raise NotImplementedError("Task ...")` with your code;
 # `make grade` scores each task.
-"""Lesson 07: the seeds' Lightning 1.x calls against Lightning 2.x, one row per change.
+"""Lesson 07: Lightning 1.x calls against Lightning 2.x, one row per change.
 
-Every row holds two small programs: ``old()`` runs the call as the seed wrote it, ``new()``
+Every row holds two small programs: ``old()`` runs the call as Lightning 1.x tutorials wrote it, ``new()``
 runs today's replacement. ``run_row`` executes both, so the table printed by
 ``python lit_migration.py`` (and shown in the README and the notebook) carries the error
 text this very Lightning install produces, not a remembered one.
@@ -71,7 +71,7 @@ class Tiny(pl.LightningModule):
 
 
 class OldStepEnd(Tiny):
-    """Seed 000's custom reduction: the loss is averaged in ``training_step_end``."""
+    """The Lightning MNIST notebook's custom reduction: the loss is averaged in ``training_step_end``."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -128,7 +128,7 @@ def _fit(module: pl.LightningModule, **kwargs) -> pl.LightningModule:
 
 @dataclass
 class Row:
-    old_api: str  # as the seeds write it
+    old_api: str  # as Lightning 1.x code wrote it
     new_api: str
     old: Callable[[], object]  # runs the old call (expected to fail or do nothing)
     new: Callable[[], object]  # runs the new call
@@ -214,7 +214,7 @@ def first_sentence(text: str) -> str:
 
 
 def markdown_table() -> str:
-    lines = ["| old call (seeds, Lightning 1.x) | what Lightning 2.x does with it | new call |",
+    lines = ["| old call (Lightning 1.x) | what Lightning 2.x does with it | new call |",
              "|---|---|---|"]
     for row in ROWS:
         outcome, _ = run_row(row)

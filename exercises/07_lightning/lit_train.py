@@ -1,12 +1,12 @@
 """Lesson 07: train ``LitClassifier`` on Fashion-MNIST with any Lightning 2.x strategy.
 
-    python solutions/07_lightning/lit_train.py                          # 1 CPU process
-    python solutions/07_lightning/lit_train.py --devices 2 --strategy ddp
-    python solutions/07_lightning/lit_train.py --devices 2 --strategy ddp_spawn
-    python solutions/07_lightning/lit_train.py --devices 2 --strategy ddp_notebook
-    python solutions/07_lightning/lit_train.py --accelerator gpu --devices 2 --strategy fsdp
-    python solutions/07_lightning/lit_train.py --accelerator gpu --strategy deepspeed  # needs deepspeed
-    python solutions/07_lightning/lit_train.py --precision bf16-mixed   # 16-mixed: GPU only
+    .venv/bin/python exercises/07_lightning/lit_train.py                          # 1 CPU process
+    .venv/bin/python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp
+    .venv/bin/python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp_spawn
+    .venv/bin/python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp_notebook
+    .venv/bin/python exercises/07_lightning/lit_train.py --accelerator gpu --devices 2 --strategy fsdp
+    .venv/bin/python exercises/07_lightning/lit_train.py --accelerator gpu --strategy deepspeed  # needs deepspeed
+    .venv/bin/python exercises/07_lightning/lit_train.py --precision bf16-mixed   # 16-mixed: GPU only
 
 ``ddp`` re-runs this very script once per extra device (``python lit_train.py <same args>``
 with ``LOCAL_RANK`` set), so everything that must happen once sits under ``main()``.
@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--strategy", default="auto", choices=CPU_STRATEGIES + GPU_STRATEGIES)
     ap.add_argument("--precision", default="32-true", choices=PRECISIONS)
     ap.add_argument("--dataset", default="fashion-mnist")
-    ap.add_argument("--batch-size", type=int, default=16, help="per device (seed 000: 16)")
+    ap.add_argument("--batch-size", type=int, default=16, help="per device (default 16, as in the Lightning MNIST notebook)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--hidden-dim", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=1)

@@ -111,7 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        raise NotImplementedError("Task 08.3: step the local optimizer (options synced), then broadcast each rank's params from it")
+        raise NotImplementedError("Task 08.3: step what this rank owns, then share the updated parameters with every rank")
         return loss
 
     def state_dict(self) -> dict:

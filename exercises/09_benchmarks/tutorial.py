@@ -5,7 +5,7 @@
 # interleaved rounds, and writes `benchmarks/runs/<time>/results.json` (a folder git ignores;
 # `benchmarks/runs/latest` points at the last one). This notebook reads your latest run, or,
 # until you have one, the committed reference results in `benchmarks/reference/` (a 2-core CPU
-# with gloo, one thread per rank), and answers the question every data-parallel course asks:
+# with gloo, one thread per rank), and answers the source tutorials' question:
 # **how much faster is N devices, and why not N times?**
 
 # %%

@@ -90,9 +90,19 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## DataParallel by hand
 #
-# Here are the four steps of seed 002's figure. With no GPU we use one thread per replica,
-# and each thread gets `cores // N` intra-op threads, so that N replicas do not oversubscribe
-# the cores. Torch releases the GIL inside its kernels, so the replicas really do run at the
+# Here are the four steps, drawn for 3 devices and a batch of 7 (the same figure is
+# `figures/data_parallel.svg` in the lesson folder; `figures/dp_diagram.py` draws it):
+
+# %%
+from figures import dp_diagram
+
+dp_diagram.draw(n=3, batch=7)
+plt.show()
+
+# %% [markdown]
+# You write each step as a function: `scatter`, `replicate`, `parallel_apply`, `gather`.
+# With no GPU we use one thread per replica, and each thread gets `cores // N` intra-op
+# threads, so that N replicas do not oversubscribe the cores. Torch releases the GIL inside its kernels, so the replicas really do run at the
 # same time. On CUDA the same functions call torch's `nn.parallel` primitives.
 
 # %%
@@ -126,7 +136,7 @@ worst = max((p.grad - q.grad).abs().max().item()
 print(f"largest gradient difference vs. one model on the full batch: {worst:.1e}")
 
 # %% [markdown]
-# ## The caveats (seed 000)
+# ## The caveats
 #
 # **State changed in `forward` is lost.** Replicas are rebuilt on every forward and thrown
 # away after it. A counter kept as a Python attribute never moves on the root. A buffer updated
@@ -186,13 +196,13 @@ print("from the full batch ", full[1].running_mean)
 # computes the statistics over all devices. Or choose a model without batch norm (group norm,
 # layer norm).
 #
-# ## The timing study (seed 002)
+# ## The timing study
 #
 # Does splitting the batch make inference faster? `time_forward` does warm-up runs first,
 # synchronizes the device before each clock read, and takes the median of repeats. Here a
 # "device" is a share of the CPU cores, `cores // N` threads. We compare one device, N devices
 # by hand, and one model given all the threads (the CPU's own intra-op parallelism). The
-# full sweep is `python dp_timing.py`. This one is small so that the notebook stays quick.
+# full sweep is `.venv/bin/python solutions/02_data_parallel/dp_timing.py`. This one is small so that the notebook stays quick.
 
 # %%
 n = max(2, cpu_budget())

@@ -1,22 +1,18 @@
 """Lesson 06: mixed-precision training with ``torch.amp`` on one device.
 
-The recipe, in the order it must happen::
-
-    with torch.autocast(device.type, dtype=dtype):     # forward and loss only
-        loss = loss_fn(model(x), y)
-    scaler.scale(loss).backward()                       # outside autocast, on the SCALED loss
-    scaler.unscale_(optimizer)                          # grads back to true size ...
-    clip_grad_norm_(model.parameters(), max_norm)       # ... so clipping sees true norms
-    scaler.step(optimizer)                              # skipped if any grad is inf/NaN
-    scaler.update()                                     # back off after inf, grow after N ok
+One step, in the order it must happen: the forward and the loss run under autocast, and
+nothing else does; backward runs on the *scaled* loss; the gradients are unscaled before they
+are clipped, so that clipping sees their true norm; the optimizer steps through the scaler,
+which skips the step when a gradient is inf or NaN; and the scaler updates its scale (down
+after an overflow, up after enough good steps). ``HINTS.md`` has more, step by step.
 
 fp16 (CUDA) needs the scaler; bf16 has fp32's exponent range and does not. The same step
 function serves both: ``scaler=None`` means no scaling.
 
-    python amp_train.py --precision auto --steps 200
-    python amp_train.py --precision bf16 --device cpu --steps 100 --checkpoint /tmp/amp.pt
-    python amp_train.py --precision bf16 --steps 200 --checkpoint /tmp/amp.pt --resume
-    python amp_train.py --precision 32 --force-scaler --inject-inf 5 --steps 20   # watch a skip
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision auto --steps 200
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision bf16 --device cpu --steps 100 --checkpoint /tmp/amp.pt
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision bf16 --steps 200 --checkpoint /tmp/amp.pt --resume
+    .venv/bin/python solutions/06_mixed_precision/amp_train.py --precision 32 --force-scaler --inject-inf 5 --steps 20   # watch a skip
 """
 
 from __future__ import annotations
@@ -118,7 +114,7 @@ def amp_train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     is the true (unscaled) gradient norm when ``max_norm`` is given, else None.
     """
     x, y = (t.to(device, non_blocking=True) for t in batch)
-    # BEGIN SOLUTION 06.1: zero grads; forward and loss inside torch.autocast(device.type, dtype=dtype, enabled=dtype is not None) ONLY; backward on scaler.scale(loss) (or loss) outside it; with a scaler: unscale_ before clip_grad_norm_, scaler.step, remember the scale, scaler.update(); skipped = the scale went down
+    # BEGIN SOLUTION 06.1: forward and loss under autocast; backward, clipping and step through the scaler when there is one
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         logits = model(x)
@@ -145,7 +141,7 @@ def amp_train_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, step: int, precision: str) -> Path:
     """Model, optimizer, the scaler's state (scale, growth tracker), step and precision."""
-    # BEGIN SOLUTION 06.2: unwrap model.module if present; save {"model", "optimizer", "scaler": scaler.state_dict() (None without a scaler), "step", "precision"} with atomic_save
+    # BEGIN SOLUTION 06.2: save model, optimizer, the scaler's state, step and precision in one checkpoint
     model = getattr(model, "module", model)
     return atomic_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scaler": scaler.state_dict() if scaler is not None else None,
@@ -160,7 +156,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A checkpoint without scaler state cannot resume an fp16 run faithfully (the scale would
     restart at 65536 and skip steps while it backs off again): that is a CheckpointError.
     """
-    # BEGIN SOLUTION 06.2: load with dpt.checkpoint.load; load model and optimizer state; if a scaler is given, load_state_dict the saved scaler state, raising CheckpointError if it is missing; return the step
+    # BEGIN SOLUTION 06.2: restore what save_checkpoint wrote; a scaler with no saved state is a CheckpointError
     state = load(path)
     getattr(model, "module", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

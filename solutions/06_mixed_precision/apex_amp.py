@@ -1,6 +1,6 @@
 """Lesson 06: NVIDIA Apex's amp, the historical path, and what replaced each piece.
 
-Seed 003 (2019) trains with::
+The 'Distributed data parallel training in PyTorch' tutorial (2019) trains with::
 
     model, optimizer = amp.initialize(model, optimizer, opt_level='O2')
     with amp.scale_loss(loss, optimizer) as scaled_loss:
@@ -11,8 +11,8 @@ Apex's amp was deprecated once ``torch.cuda.amp`` (now ``torch.amp``) shipped in
 This script runs the Apex variant only when NVIDIA Apex is really importable, on a GPU;
 otherwise it says why and prints the table mapping it to ``torch.amp``.
 
-    python apex_amp.py               # the table, and whether Apex can run here
-    python apex_amp.py --opt-level O1 --steps 50   # on a CUDA machine with NVIDIA Apex built
+    .venv/bin/python solutions/06_mixed_precision/apex_amp.py               # the table, and whether Apex can run here
+    .venv/bin/python solutions/06_mixed_precision/apex_amp.py --opt-level O1 --steps 50   # on a CUDA machine with NVIDIA Apex built
 
 Installing NVIDIA Apex: ``pip install apex`` fetches an unrelated PyPI package. NVIDIA Apex is
 built from source: ``git clone https://github.com/NVIDIA/apex && cd apex && pip install -v
@@ -70,10 +70,10 @@ class OptLevelError(ValueError):
 def check_opt_level(opt_level: str) -> str:
     """Return the canonical opt_level ``"O0"``..``"O3"`` (capital letter O, then a digit).
 
-    Seed 003 warns that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
+    Apex's users are warned that it is the *letter* O: ``"01"`` (zero-one) is the classic typo, and
     lowercase ``"o1"`` is another. Both raise an OptLevelError that names the fix.
     """
-    # BEGIN SOLUTION 06.4: strip the string; if it is in OPT_LEVELS return it; if it is "0"+digit, "o"+digit or similar, raise OptLevelError saying "letter O, not digit 0" and naming the right spelling; otherwise raise OptLevelError listing the valid levels
+    # BEGIN SOLUTION 06.4: return O0-O3 as they are; for '01' or 'o1' raise with the right spelling; reject the rest
     if not isinstance(opt_level, str):
         raise OptLevelError(f"opt_level must be a string like 'O1', got {opt_level!r}")
     level = opt_level.strip()
@@ -120,7 +120,7 @@ def print_tables() -> None:
 
 
 def train_with_apex(opt_level: str, steps: int, batch_size: int = 64) -> list[float]:  # pragma: no cover - needs CUDA + Apex
-    """Seed 003's Apex loop (single GPU). Only runs where :func:`apex_status` says yes."""
+    """The 2019 tutorial's Apex loop (single GPU). Only runs where :func:`apex_status` says yes."""
     import torch.nn.functional as F
     from apex import amp  # noqa: PLC0415 - optional dependency
 

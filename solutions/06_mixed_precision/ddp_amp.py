@@ -6,9 +6,9 @@ casts the gradients back to the parameter's dtype (fp32) on the way out, and DDP
 those fp32 gradients. A communication hook records the dtype of every bucket it all-reduces,
 so you can see it.
 
-    python ddp_amp.py --precision bf16 --nprocs 2 --steps 50       # spawns 2 CPU ranks
-    torchrun --standalone --nproc-per-node 2 ddp_amp.py --precision 32 --steps 50
-    python ddp_amp.py --precision fp16 --device cuda --nprocs 2      # GPUs: fp16 + GradScaler
+    .venv/bin/python solutions/06_mixed_precision/ddp_amp.py --precision bf16 --nprocs 2 --steps 50       # spawns 2 CPU ranks
+    .venv/bin/torchrun --standalone --nproc-per-node 2 solutions/06_mixed_precision/ddp_amp.py --precision 32 --steps 50
+    .venv/bin/python solutions/06_mixed_precision/ddp_amp.py --precision fp16 --device cuda --nprocs 2      # GPUs: fp16 + GradScaler
 
 (fp16 on CPU is refused with a clear error: it is the CUDA recipe.)
 """
@@ -48,7 +48,7 @@ def recording_allreduce_hook(state, bucket):
     (No type annotations: DDP checks them, and ``from __future__ import annotations`` would
     turn them into strings it rejects.)
     """
-    # BEGIN SOLUTION 06.3: append bucket.buffer().dtype to state.dtypes, then return allreduce_hook(state.group, bucket) (the default: all-reduce and divide by world size)
+    # BEGIN SOLUTION 06.3: record the bucket's dtype, then do DDP's default all-reduce
     state.dtypes.append(bucket.buffer().dtype)
     return allreduce_hook(state.group, bucket)
     # END SOLUTION

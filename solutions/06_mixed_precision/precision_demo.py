@@ -5,7 +5,7 @@
   every gradient, by the chain rule) is first multiplied by a scale ``S`` and divided by ``S``
   again in fp32.
 
-    python precision_demo.py
+    .venv/bin/python solutions/06_mixed_precision/precision_demo.py
 """
 
 from __future__ import annotations

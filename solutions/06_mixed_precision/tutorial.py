@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Lesson 06: mixed precision, from Apex's amp to `torch.amp`
 #
-# Seed 003 ends with "a bonus": mixed-precision DDP with NVIDIA Apex,
+# The 'Distributed data parallel training in PyTorch' tutorial ends with "a bonus": mixed-precision DDP with NVIDIA Apex,
 # `amp.initialize(model, optimizer, opt_level='O2')` and `with amp.scale_loss(...)`. Apex's
 # amp now lives inside PyTorch as `torch.amp`. This lesson explains why mixed precision works,
 # writes the step you should write today, puts it under DDP, and maps the Apex calls to it.
@@ -117,15 +117,12 @@ for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfl
 #
 # ## 4. The step (task 06.1)
 #
-# ```python
-# with torch.autocast(device.type, dtype=dtype):   # forward and loss, nothing else
-#     loss = loss_fn(model(x), y)
-# scaler.scale(loss).backward()                     # the SCALED loss, outside autocast
-# scaler.unscale_(optimizer)                        # true gradients ...
-# clip_grad_norm_(model.parameters(), max_norm)     # ... before clipping
-# scaler.step(optimizer)                            # skipped on inf/NaN
-# scaler.update()                                   # back off or grow
-# ```
+# The order is the whole task. Under autocast: the forward and the loss, nothing else.
+# Outside it: backward on the **scaled** loss, then the gradients are **unscaled** (back to
+# their true size) before they are clipped, then the optimizer steps **through the scaler**
+# (which skips the step when a gradient is inf or NaN), and finally the scaler **updates** its
+# scale. Without a scaler (fp32, bf16) the same step is a plain backward, clip and step.
+# `HINTS.md` in the lesson folder gives the API names if you are stuck.
 #
 # Five ways to get it wrong, and what each does (each is a test in `tests/l06_mixed_precision`):
 # `loss.backward()` instead of `scaler.scale(loss).backward()` divides true gradients by `S`
@@ -245,8 +242,10 @@ for r in results:
 print("ranks hold identical weights:", torch.equal(results[0]["params"], results[1]["params"]))
 
 # %% [markdown]
-# From a terminal: `python ddp_amp.py --precision bf16 --nprocs 2 --steps 50`, or under
-# torchrun: `torchrun --standalone --nproc-per-node 2 ddp_amp.py --precision 32`.
+# From a terminal, at the repository root: `.venv/bin/python
+# solutions/06_mixed_precision/ddp_amp.py --precision bf16 --nprocs 2 --steps 50`, or under
+# torchrun: `.venv/bin/torchrun --standalone --nproc-per-node 2
+# solutions/06_mixed_precision/ddp_amp.py --precision 32`.
 #
 # ## 8. Apex, the historical path (task 06.4)
 #
@@ -260,7 +259,7 @@ print("ranks hold identical weights:", torch.equal(results[0]["params"], results
 # | `with amp.scale_loss(loss, opt) as s: s.backward()` | scaled backward | `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` |
 # | `apex.parallel.DistributedDataParallel` | Apex's DDP | `torch.nn.parallel.DistributedDataParallel` |
 #
-# Seed 003 warns that `opt_level` starts with the capital **letter O**. `'01'` with a zero is
+# That tutorial warns that `opt_level` starts with the capital **letter O**. `'01'` with a zero is
 # the classic typo; `check_opt_level` turns it into an error that says so.
 
 # %%
@@ -272,7 +271,7 @@ for level in ["O2", "01"]:
 print("Apex here?", apex_amp.apex_status())
 
 # %% [markdown]
-# `apex_amp.py` runs seed 003's Apex loop only where NVIDIA Apex really is installed and a GPU
+# `apex_amp.py` runs that tutorial's Apex loop only where NVIDIA Apex really is installed and a GPU
 # exists. `pip install apex` installs an unrelated PyPI package; NVIDIA Apex is built from
 # source against your CUDA toolkit. On this machine the script prints the table and why it
 # did not run.

@@ -1,10 +1,10 @@
 # %% [markdown]
-# # Lesson 07: PyTorch Lightning 2.x strategies, and the seeds' old API against today's
+# # Lesson 07: PyTorch Lightning 2.x strategies, and the 1.x API against today's
 #
-# Seeds 000 and 001 teach Lightning 1.x: `Trainer(gpus=2, accelerator="dp")`,
+# The PyTorch Lightning MNIST notebook and Lightning's old multi-GPU guide teach Lightning 1.x: `Trainer(gpus=2, accelerator="dp")`,
 # `distributed_backend=`, ddp2, ddp_sharded, `training_step_end`, `weights_summary`,
 # `Accuracy(num_classes=10)`. Lightning 2.x removed all of that. This lesson writes the
-# seed's module and datamodule for today's Lightning, trains them on 2 CPU processes, and
+# notebook's module and datamodule for today's Lightning, trains them on 2 CPU processes, and
 # turns every old call into a row of a migration table that this notebook *runs*.
 #
 # | task | where | what you write |
@@ -41,7 +41,7 @@ LESSON_DIR = os.path.dirname(lit_fashion.__file__)
 # %% [markdown]
 # ## The module and the datamodule
 #
-# `LitClassifier` is seed 000's `TutorialModule` (a 2-layer MLP, Adam, lr 1e-4) and
+# `LitClassifier` is the Lightning MNIST notebook's `TutorialModule` (a 2-layer MLP, Adam, lr 1e-4) and
 # `FashionDataModule` its `MNISTDataModule` (55k/5k split), with these changes:
 #
 # * `Accuracy(task="multiclass", num_classes=10)`: torchmetrics now needs the task;
@@ -50,7 +50,7 @@ LESSON_DIR = os.path.dirname(lit_fashion.__file__)
 #   plain tensor, so it is logged with `sync_dist=True`. Without it, each rank logs the mean
 #   over its own half of the validation set, and you read rank 0's half;
 # * no `validation_step_end` and no `*_epoch_end`: Lightning 2.0 removed them;
-# * seed 001's habits: no `.cuda()`/`.to()` in the module (Lightning moves the module and
+# * the old multi-GPU guide's habits: no `.cuda()`/`.to()` in the module (Lightning moves the module and
 #   every batch), a new tensor is made with `device=self.device, dtype=x.dtype` (or
 #   `type_as(x)`), no hand-made `DistributedSampler` (the Trainer injects one per rank),
 #   and `prepare_data` (one process per machine downloads) versus `setup` (every process
@@ -132,9 +132,9 @@ for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp
         print(f"--strategy {strategy} --precision {precision} -> error: {exc}")
 
 # %% [markdown]
-# ## Which strategy when (seed 000's list, updated)
+# ## Which strategy when (the Lightning MNIST notebook's list, updated)
 #
-# | seed 000 (1.x) | today (2.x) | use it when |
+# | Lightning 1.x | today (2.x) | use it when |
 # |---|---|---|
 # | DP `accelerator="dp"` | removed | never: replicate-per-step and lost state changes; use `ddp` |
 # | DDP `accelerator="ddp"` | `strategy="ddp"` | the default for several devices, from a script (re-runs it per rank) |
@@ -171,9 +171,9 @@ display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswit
 # ## Lightning Fabric: a raw loop with a handful of changed lines
 #
 # `fabric_ddp.py` holds lesson 03's loop (`raw_ddp_epoch`) and the same loop after
-# conversion: `fabric.launch()`, `fabric.setup(model, optimizer)`,
-# `fabric.setup_dataloaders(loader)`, `fabric.backward(loss)`, and no `.to(device)`. Run
-# with `devices=2` on CPU:
+# conversion: `fabric.launch()` starts the ranks, `fabric.setup(model, optimizer)` wraps the
+# model in DDP, the `.to(device)` calls go, and two more changes, to the data loader and to
+# the backward, are task 07.5. Run with `devices=2` on CPU:
 
 # %%
 proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
@@ -190,7 +190,7 @@ print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")
 # it. On the course's 2-core machine, with the ConvNet at batch 128 (a 120 ms step) the median
 # steps were **120.2 ms raw and 120.1 ms Lightning (1.00x)**, and the median of 28 paired
 # epochs was 0.98x: the 0.95 target is met, and the Trainer's cost is lost in the step.
-# With seed 000's MLP at batch 64 (a 7 ms step) Lightning reached **0.61x** per step (0.66x per
+# With the notebook's MLP at batch 64 (a 7 ms step) Lightning reached **0.61x** per step (0.66x per
 # epoch): about 4.6 ms more per step, of which 0.36 ms is one collective Lightning adds every
 # step (a broadcast that lets all ranks stop together on SIGTERM). A framework's per-step cost
 # is roughly fixed: judge it on steps big enough to matter. The lesson's README has the table. The
@@ -200,7 +200,7 @@ print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")
 from pathlib import Path
 
 results = Path(lit_fashion.__file__).resolve().parents[2] / "benchmarks" / "results"
-runs = {"seed 000's MLP, batch 64": results / "l07_lightning_vs_raw.json",
+runs = {"MLP, batch 64": results / "l07_lightning_vs_raw.json",
         "ConvNet, batch 128": results / "l07_lightning_vs_raw_convnet.json"}
 runs = {name: json.loads(f.read_text()) for name, f in runs.items() if f.exists()}
 runs = {name: r for name, r in runs.items() if "median_step_ms" in r}

@@ -6,10 +6,10 @@ is applied per block first, then to the root: each block becomes one unit that i
 all-gathered just before its forward (and backward) and freed right after, and whose
 gradients are reduce-scattered as soon as its backward is done.
 
-    python solutions/08_sharding/fsdp2_train.py                      # 2 CPU ranks, gloo
-    python solutions/08_sharding/fsdp2_train.py --mode ddp           # the same with DDP
-    python solutions/08_sharding/fsdp2_train.py --save fsdp_full.pt  # full state dict, rank 0
-    python solutions/08_sharding/fsdp2_train.py --lightning          # Lightning's one-liner
+    .venv/bin/python solutions/08_sharding/fsdp2_train.py                      # 2 CPU ranks, gloo
+    .venv/bin/python solutions/08_sharding/fsdp2_train.py --mode ddp           # the same with DDP
+    .venv/bin/python solutions/08_sharding/fsdp2_train.py --save fsdp_full.pt  # full state dict, rank 0
+    .venv/bin/python solutions/08_sharding/fsdp2_train.py --lightning          # Lightning's one-liner
 
 Ranks are started by ``dpt.testing.run_distributed`` (free port, fail fast, timeout): the
 worker is a function of this file, so the notebook can start it too.

@@ -2,8 +2,9 @@
 # # Lesson 08: sharding, a ZeRO optimizer by hand, and FSDP2
 #
 # Data parallelism as lessons 03 to 05 built it keeps a full copy of everything on every
-# rank: the parameters, their gradients and the optimizer's state. Seed 002 points at
-# sharding as the way to save that memory, and seed 000 lists Lightning's "sharded" (SDP)
+# rank: the parameters, their gradients and the optimizer's state. The DTU MLOps
+# distributed-training module points at sharding as the way to save that memory, and the
+# PyTorch Lightning MNIST notebook lists Lightning's "sharded" (SDP)
 # and "fully sharded" (FSDP) plugins. This lesson counts where a rank's bytes go, removes
 # the copies one kind at a time, and checks every count against what the code allocates.
 #

@@ -115,7 +115,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # BEGIN SOLUTION 08.3: step the local optimizer (options synced), then broadcast each rank's params from it
+        # BEGIN SOLUTION 08.3: step what this rank owns, then share the updated parameters with every rank
         if self.local_optimizer is not None:
             self._sync_options()
             self.local_optimizer.step()

@@ -116,3 +116,28 @@ def test_without_data_the_stubs_still_score_nothing_and_the_grade_says_it_is_inc
     assert skipped > 0, "no test needed the data: this test no longer checks anything"
     assert result["complete"] is False
     assert "score incomplete" in stdout and "make data" in stdout, stdout[-2000:]
+
+
+def test_lesson_paths_point_at_the_students_tree():
+    text = "python solutions/06_mixed_precision/amp_train.py; see ../solutions/x and my_solutions/01_a"
+    assert gen.to_exercises_paths(text) == (
+        "python exercises/06_mixed_precision/amp_train.py; see ../solutions/x and my_solutions/01_a")
+
+
+def test_no_command_in_the_students_tree_runs_the_solutions():
+    """Commands in exercises/ and notebooks/ run the student's code, never solutions/."""
+    pointing = re.compile(r"(?<![\w.-])solutions/[\w.*{]")
+    hits = []
+    for tree in (REPO / "exercises", REPO / "notebooks"):
+        for path in sorted(tree.rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for lineno, line in enumerate(text.splitlines(), 1):
+                if pointing.search(line):
+                    hits.append(f"{path.relative_to(REPO)}:{lineno}: {line.strip()[:100]}")
+    assert not hits, ("the student's tree points at solutions/ (it would run the reference "
+                      "answers, not the student's code):\n" + "\n".join(hits[:20]))

@@ -50,11 +50,28 @@ def _model(kind, seed=0):
     return {"mlp": MLP, "convnet": lambda: ConvNet(batch_norm=False)}[kind]()
 
 
+def grad_cause(got: torch.Tensor, want: torch.Tensor) -> str:
+    """The likely bug behind a root gradient that differs from the single model's."""
+    g, w = got.double().norm().item(), want.double().norm().item()
+    if g == 0:
+        return "the root's gradient is zero: the replicas' weights are not wired to it"
+    ratio = w / g
+    if ratio > 1.5 and abs(ratio - round(ratio)) < 0.15:
+        return (f"the gradient is {round(ratio)}x too small: the replicas' gradients are "
+                "averaged (or only one replica's is kept); Broadcast.backward must SUM them")
+    if ratio < 0.67 and abs(1 / ratio - round(1 / ratio)) < 0.15:
+        return (f"the gradient is {round(1 / ratio)}x too large: a sample or a replica is "
+                "counted more than once (check scatter's chunks and replicate's copies)")
+    return ("the gradient differs in direction: a sample is lost or duplicated by scatter, or "
+            "outputs come back out of order from parallel_apply/gather")
+
+
 def _assert_same_grads(model, single):
     for (name, p), q in zip(model.named_parameters(), single.parameters()):
         assert p.grad is not None, f"{name}: no gradient reached the root model"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-4, atol=1e-6,
+            msg=lambda m, name=name, g=p.grad, w=q.grad: f"{name}: {grad_cause(g, w)}\n{m}")
 
 
 def _patch(monkeypatch, dbh, **keep):
@@ -93,14 +110,17 @@ def test_replicas_compute_what_the_root_computes_with_copies_of_its_weights(dbh,
     root_params = list(model.parameters())
     for r in replicas:
         assert r is not model and isinstance(r, type(model))
-        torch.testing.assert_close(r(x), expected)
+        torch.testing.assert_close(
+            r(x), expected, msg=lambda m: "a replica computes something else than the root: its "
+            f"parameters must be copies of the root's, every one of them\n{m}")
         rp = list(r.parameters())
         assert len(rp) == len(root_params)
         for p, q in zip(rp, root_params):
             assert p is not q, "a replica holds copies, not the root's parameter objects"
             assert p.grad_fn is not None, \
                 "replica weights must be Broadcast outputs, or no gradient reaches the root"
-            torch.testing.assert_close(p, q)
+            torch.testing.assert_close(
+                p, q, msg=lambda m: f"a replica's parameter is not a copy of the root's\n{m}")
     with torch.no_grad():
         assert not dbh.replicate(model, n)[1](x).requires_grad
 
@@ -122,7 +142,7 @@ class _Counting(nn.Module):
 
 @pytest.mark.task("02.2")
 def test_caveat_state_changed_in_forward_on_replicas_is_lost(dbh):
-    """Seed 000's caveat: only in-place updates on replica 0 (sharing the root's buffers) stay."""
+    """DataParallel's caveat: only in-place updates on replica 0 (sharing the root's buffers) stay."""
     model = _Counting()
     x = torch.randn(6, 4)
     replicas = dbh.replicate(model, 3)
@@ -145,8 +165,12 @@ def test_caveat_batch_norm_running_stats_come_from_replica_0_only(dbh):
     only_first, full = nn.BatchNorm1d(3).train(), nn.BatchNorm1d(3).train()
     only_first(chunks[0])
     full(x)
-    torch.testing.assert_close(bn.running_mean, only_first.running_mean)
-    torch.testing.assert_close(bn.running_var, only_first.running_var)
+    why = ("the root's running statistics must come from replica 0's chunk only: replica 0 "
+           "shares the root's buffers, the other replicas get clones")
+    torch.testing.assert_close(bn.running_mean, only_first.running_mean,
+                               msg=lambda m: f"{why}\n{m}")
+    torch.testing.assert_close(bn.running_var, only_first.running_var,
+                               msg=lambda m: f"{why}\n{m}")
     assert not torch.allclose(bn.running_mean, full.running_mean)
     assert bn.num_batches_tracked.item() == 1
 
@@ -179,14 +203,21 @@ def test_broadcast_backward_sums_the_replicas_gradients_onto_the_root(dbh, n):
     copies = dbh.Broadcast.apply(n, w, b)
     assert len(copies) == 2 * n
     for r in range(n):
-        torch.testing.assert_close(copies[2 * r], w.detach())
-        torch.testing.assert_close(copies[2 * r + 1], b.detach())
+        torch.testing.assert_close(copies[2 * r], w.detach(), msg="Broadcast's forward "
+                                   "returns the k tensors for replica 0, then for replica 1, ...")
+        torch.testing.assert_close(copies[2 * r + 1], b.detach(), msg="Broadcast's forward "
+                                   "returns the k tensors for replica 0, then for replica 1, ...")
     loss = sum((r + 1) * copies[2 * r].sum() + (r + 2) * copies[2 * r + 1].sum() for r in range(n))
     loss.backward()
     total_w = sum(r + 1 for r in range(n))
-    torch.testing.assert_close(w.grad, torch.full((3,), float(total_w)),
-                               msg="w.grad must be the SUM of every replica's gradient")
-    torch.testing.assert_close(b.grad, torch.full((2,), float(sum(r + 2 for r in range(n)))))
+    torch.testing.assert_close(
+        w.grad, torch.full((3,), float(total_w)),
+        msg=lambda m: f"w.grad: {grad_cause(w.grad, torch.full((3,), float(total_w)))}\n{m}")
+    total_b = float(sum(r + 2 for r in range(n)))
+    torch.testing.assert_close(
+        b.grad, torch.full((2,), total_b),
+        msg=lambda m: f"b.grad: {grad_cause(b.grad, torch.full((2,), total_b))}; grads arrive "
+                      f"replica by replica, k per replica\n{m}")
 
 
 # ------------------------------------------------------------------------ 02.4 parallel apply
@@ -248,11 +279,14 @@ def test_gather_concatenates_in_order_and_routes_gradients_back(dbh):
     parts = [torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True),
              torch.randn(1, 4, requires_grad=True)]
     out = dbh.gather(parts)
-    torch.testing.assert_close(out, torch.cat([p.detach() for p in parts]))
+    torch.testing.assert_close(out, torch.cat([p.detach() for p in parts]),
+                               msg="gather must concatenate the outputs along dim 0, in order")
     weights = torch.arange(7.0)[:, None].expand(7, 4)
     (out * weights).sum().backward()
-    torch.testing.assert_close(parts[2].grad, torch.full((1, 4), 6.0))
-    torch.testing.assert_close(parts[0].grad, weights[:3])
+    routed = ("in backward each output must get its own slice of the gradient: gather with a "
+              "differentiable op (torch.cat), in order")
+    torch.testing.assert_close(parts[2].grad, torch.full((1, 4), 6.0), msg=routed)
+    torch.testing.assert_close(parts[0].grad, weights[:3], msg=routed)
     assert dbh.gather(parts, "cpu").shape == (7, 4)
 
 
@@ -274,7 +308,8 @@ def test_forward_composes_the_four_steps(dbh, monkeypatch, n, b):
     assert seen and len(seen[0]) == n and sum(seen[0]) == b, "forward must scatter into n chunks"
     F.cross_entropy(out, y).backward()
     F.cross_entropy(single(x), y).backward()
-    torch.testing.assert_close(out, single(x))
+    torch.testing.assert_close(out, single(x), msg=lambda m: "forward must return the gathered "
+                               f"outputs of every chunk, in order\n{m}")
     _assert_same_grads(model, single)
 
 
@@ -290,7 +325,9 @@ def test_outputs_and_gradients_equal_a_single_model_on_the_full_batch(dbh, kind,
     out = dp(x)
     expected = single(x)
     assert out.shape == expected.shape, "every sample's output, including the short last chunk"
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5, msg=lambda m: "outputs "
+                               "differ from one model on the full batch: a chunk lost, "
+                               f"duplicated or out of order\n{m}")
     F.cross_entropy(out, y).backward()
     F.cross_entropy(expected, y).backward()
     _assert_same_grads(model, single)
@@ -311,7 +348,10 @@ def test_training_steps_equal_single_device_training(dbh, n):
             F.cross_entropy(m(x), y).backward()
             o.step()
     for (name, p), q in zip(model.named_parameters(), single.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            p, q, rtol=1e-4, atol=1e-5,
+            msg=lambda m, n=name: f"{n}: weights drift from single-device training; a gradient "
+                                  f"averaged instead of summed gives N times smaller steps\n{m}")
 
 
 @pytest.mark.task("02.6")
@@ -322,7 +362,8 @@ def test_eval_mode_batch_norm_model_matches_and_no_grad_builds_no_graph(dbh):
     with torch.no_grad():
         out = dbh.DataParallelByHand(model, n_replicas=3)(x)
     assert not out.requires_grad
-    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5, msg=lambda m: "eval mode: "
+                               f"replicas must use the root's running statistics\n{m}")
 
 
 # ------------------------------------------------------- 02.7 / 02.8 nn.DataParallel training
@@ -346,7 +387,8 @@ def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
         F.cross_entropy(single(x), y).backward()
         ref_opt.step()
     for p, q in zip(model.parameters(), single.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=lambda m: "the wrapped "
+                                   f"model must train exactly like the plain one\n{m}")
 
 
 def test_explain_devices_says_what_dataparallel_does_here(dp_mod):
@@ -368,10 +410,12 @@ def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_pa
     state = dp_mod.load_plain(path, plain)
     assert state["epoch"] == 3
     for p, q in zip(plain.parameters(), model.parameters()):
-        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(p, q, msg="load_plain must load the saved weights into the "
+                                   "plain model")
     wrapped = nn.DataParallel(ConvNet(batch_norm=False))
     dp_mod.load_plain(path, wrapped)
-    torch.testing.assert_close(wrapped.module.fc.weight, model.fc.weight)
+    torch.testing.assert_close(wrapped.module.fc.weight, model.fc.weight, msg="load_plain into "
+                               "a wrapper must load into its .module")
     with pytest.raises(CheckpointError):
         dp_mod.load_plain(tmp_path / "missing.pt", plain)
 

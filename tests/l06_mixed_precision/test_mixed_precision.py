@@ -119,6 +119,19 @@ def test_cuda_auto_picks_bf16_or_fp16_with_a_scaler(amp):
 
 # ---------------------------------------------------------------- 06.1 the amp train step
 
+
+def _scale_cause(got: torch.Tensor, want: torch.Tensor, scale: float) -> str:
+    """The likely bug behind gradients that differ from fp32's, with a loss scale ``scale``."""
+    g, w = got.double().norm().item(), want.double().norm().item()
+    if g > 0 and abs(w / g / scale - 1) < 0.1:
+        return (f"the gradients are {scale:g}x too small: backward ran on the unscaled loss, so "
+                "scaler.step divided true gradients by the scale; use scaler.scale(loss).backward()")
+    if w > 0 and abs(g / w / scale - 1) < 0.1:
+        return (f"the gradients are still scaled ({scale:g}x): unscale_ them (scaler.unscale_ or "
+                "scaler.step) before they are used")
+    return "the gradients differ from plain fp32 SGD's"
+
+
 @pytest.mark.task("06.1")
 def test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd(amp):
     """fp32 compute + a CPU GradScaler at 2**12: the update must equal plain SGD. Calling
@@ -134,8 +147,12 @@ def test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd(am
         assert out["skipped"] is False
         assert out["scale"] == 2.0 ** 12
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)  # true, unscaled grads
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(  # true, unscaled grads
+            p.grad, q.grad, rtol=1e-4, atol=1e-6,
+            msg=lambda m, g=p.grad, w=q.grad: f"{_scale_cause(g, w, 2.0 ** 12)}\n{m}")
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: "the weights differ "
+                                   "from plain fp32 SGD: backward must run on "
+                                   f"scaler.scale(loss) and the step go through scaler.step\n{m}")
 
 
 @pytest.mark.task("06.1")
@@ -150,11 +167,19 @@ def test_clipping_happens_after_unscale(amp):
     out = amp.amp_train_step(model, batch, opt, CPU, None, scaler, max_norm=max_norm)
     _, ref_norm = _reference_step(ref, ref_opt, batch, max_norm=max_norm)
     assert ref_norm > max_norm, "the test needs a gradient bigger than max_norm"
-    assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)  # the TRUE norm
+    assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4), (  # the TRUE norm
+        f"grad_norm {out['grad_norm']:.4g}, true norm {ref_norm:.4g}: "
+        + ("clip before unscale_: the norm was measured on the scaled gradients"
+           if out["grad_norm"] and out["grad_norm"] > 100 * ref_norm else
+           "return the norm clip_grad_norm_ measured, after scaler.unscale_(optimizer)"))
     clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert clipped.item() == pytest.approx(max_norm, rel=1e-3)
+    assert clipped.item() == pytest.approx(max_norm, rel=1e-3), (
+        f"after clipping the gradient norm is {clipped.item():.3g}, not max_norm {max_norm}: "
+        "clip before unscale_ (the scaled norm was clipped, so the true one is 4096x smaller)")
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: "the weights differ "
+                                   "from fp32 SGD with clipping: clip before unscale_, or clip "
+                                   f"after scaler.step?\n{m}")
 
 
 @pytest.mark.task("06.1")
@@ -164,10 +189,13 @@ def test_clipping_without_a_scaler_matches_reference(amp):
     batch = _batch()
     out = amp.amp_train_step(model, batch, opt, CPU, None, None, max_norm=0.05)
     _, ref_norm = _reference_step(ref, ref_opt, batch, max_norm=0.05)
-    assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert out["grad_norm"] == pytest.approx(ref_norm, rel=1e-4), \
+        "without a scaler: return the norm clip_grad_norm_ measured"
     assert out["scale"] == 1.0 and out["skipped"] is False
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: "without a scaler "
+                                   "the step is backward, clip_grad_norm_, optimizer.step(), "
+                                   f"in that order\n{m}")
 
 
 @pytest.mark.task("06.1")
@@ -186,7 +214,9 @@ def test_inf_gradient_skips_the_step_and_backs_off_the_scale(amp):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], msg=f"{k} changed on a skipped step")
     for p, m in zip(model.parameters(), momentum):
-        torch.testing.assert_close(opt.state[p]["momentum_buffer"], m)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], m, msg="the momentum "
+                                   "changed on a skipped step: call scaler.step(optimizer), "
+                                   "not optimizer.step(), so that an inf gradient skips it")
     out = amp.amp_train_step(model, _batch(seed=3), opt, CPU, None, scaler)  # recovers
     assert out["skipped"] is False and math.isfinite(out["loss"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -381,7 +411,7 @@ def test_checkpoint_holds_scaler_state_and_resume_restores_it(amp, tmp_path):
     assert fresh_scaler.state_dict() == saved
     assert fresh_scaler.get_scale() == 64.0
     for p, q in zip(model.parameters(), fresh.parameters()):
-        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(p, q, msg="load_checkpoint must restore the model's weights")
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
 
 
@@ -427,7 +457,14 @@ def test_ddp_all_reduces_fp32_gradients_under_bf16_autocast():
     # the hook must really all-reduce (average) and not only record
     mean = (results[0]["local_grads"] + results[1]["local_grads"]) / 2
     for r in results:
-        torch.testing.assert_close(r["ddp_grads"], mean, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            r["ddp_grads"], mean, rtol=1e-4, atol=1e-6,
+            msg=lambda m, g=r["ddp_grads"]: (
+                "the hook only records: return DDP's default allreduce_hook(...) future"
+                if torch.allclose(g, results[0]["local_grads"]) or
+                torch.allclose(g, results[1]["local_grads"]) else
+                "the gradients are not the mean over the ranks (all-reduce, then divide by the "
+                "world size)") + f"\n{m}")
     assert not torch.allclose(results[0]["local_grads"], results[1]["local_grads"])
 
 
@@ -442,7 +479,8 @@ def test_lesson_ddp_training_in_bf16_keeps_ranks_in_sync():
         assert r["allreduce_dtypes"] == ["torch.float32"]
         assert r["param_dtypes"] == ["torch.float32"]
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
-    torch.testing.assert_close(results[0]["params"], results[1]["params"])
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], msg=lambda m: "the "
+                               f"ranks' weights diverged under bf16 DDP\n{m}")
 
 
 def test_cast_map_shows_where_the_casts_happen():

@@ -133,6 +133,18 @@ def _close(a, b, atol=1e-5):
     return all(torch.allclose(x, y, atol=atol, rtol=1e-4) for x, y in zip(a, b))
 
 
+def _step_cause(sharded, plain) -> str:
+    """The likely bug when a sharded optimizer's parameters differ from the plain one's."""
+    same = [torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(sharded, plain)]
+    if any(same):
+        return (f"{same.count(False)} of {len(same)} parameters differ while the others match: "
+                "the owners' updates do not reach every rank. Broadcast after step missing "
+                "(each owner broadcasts its updated parameters to all ranks, from its global "
+                "rank)")
+    return ("every parameter differs: step the inner optimizer once per step, with the outer "
+            "param_groups' options (the lr changes mid-run) copied to it first")
+
+
 @pytest.mark.task("08.3")
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
@@ -143,11 +155,15 @@ def test_sharded_optimizer_matches_plain_and_torch_zero(opt_name):
         plain, sharded, torch_zero = r["params"]
         # every rank, also the one that does not own a parameter, ends with the update:
         # shards never broadcast back leave the other rank's copy behind
-        assert _close(sharded, plain), f"rank {ranks.index(r)} differs from the plain optimizer"
-        assert _close(sharded, torch_zero), "differs from torch's ZeroRedundancyOptimizer"
+        assert _close(sharded, plain), (f"rank {ranks.index(r)} differs from the plain "
+                                        f"optimizer: {_step_cause(sharded, plain)}")
+        assert _close(sharded, torch_zero), ("differs from torch's ZeroRedundancyOptimizer: "
+                                             f"{_step_cause(sharded, torch_zero)}")
         assert not _close(sharded, [p * 0 + p.mean() for p in plain], atol=0)
     for a, b in zip(ranks[0]["params"][1], ranks[1]["params"][1]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the ranks agree exactly
+        torch.testing.assert_close(  # the ranks agree exactly
+            a, b, rtol=0, atol=0, msg=lambda m: "the ranks' weights disagree: broadcast after "
+            f"step missing (every owner must broadcast what it updated)\n{m}")
 
 
 @pytest.mark.task("08.3")
@@ -176,7 +192,8 @@ def test_adamw_with_param_groups_matches():
                             kwargs={"opt_name": "adamw", "steps": 3})
     for r in ranks:
         plain, sharded, _ = r["params"]
-        assert _close(sharded, plain)
+        assert _close(sharded, plain), ("AdamW with two parameter groups: "
+                                        f"{_step_cause(sharded, plain)}")
 
 
 @pytest.mark.task("08.3")
@@ -199,8 +216,10 @@ def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
                             kwargs={"steps": 4})
     for r in ranks:
         assert r["is_unit"] == {"root": True, "layer1": True, "layer2": True, "fc": True}
-        assert r["losses"]["fsdp"] == pytest.approx(r["losses"]["ddp"], rel=1e-4, abs=1e-5)
-        assert r["diff"] < 1e-5
+        assert r["losses"]["fsdp"] == pytest.approx(r["losses"]["ddp"], rel=1e-4, abs=1e-5), \
+            "FSDP2's losses differ from DDP's: shard every block and then the root"
+        assert r["diff"] < 1e-5, (f"FSDP2's weights differ from DDP's by {r['diff']:.2g} after "
+                                  "training: shard every block and then the root")
     for i, (name, kind, numel, _) in enumerate(ranks[0]["shards"]):
         assert kind == "DTensor", name
         local = [r["shards"][i][3] for r in ranks]
@@ -218,7 +237,9 @@ def test_full_state_dict_on_rank0_equals_ddps():
     for k, (kind, v) in fsdp_sd.items():
         assert kind == "Tensor", f"{k} is a {kind}, not a plain full tensor"
         assert v.device.type == "cpu"
-        torch.testing.assert_close(v, ddp_sd[k], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v, ddp_sd[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: "
+                                   "the full state dict differs from DDP's weights: gather "
+                                   f"every shard (full_state_dict=True)\n{m}")
     assert ranks[1]["fsdp_sd"] == {}  # cpu_offload: only rank 0 keeps the full copy
 
 
