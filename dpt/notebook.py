@@ -53,15 +53,18 @@ TASK = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?)|^(Task \d\d\.\d+
 
 
 def pending_task(exc: BaseException) -> str | None:
-    """'Task NN.K' when ``exc`` is (or carries, from a rank) a task's NotImplementedError."""
+    """'Task NN.K' when ``exc`` is a task's NotImplementedError, or carries one in its text
+    (a rank's traceback, reported by run_distributed, mp.spawn or Lightning's launcher)."""
     text = str(exc)
+    m = TASK.search(text)
+    if m is None:
+        return None
     if isinstance(exc, NotImplementedError):
-        m = TASK.search(text)
-        return (m.group(1) or m.group(2)) if m else None
-    if type(exc).__name__ == "RankFailure":
-        m = TASK.search(text)
-        return m.group(1) if m else None
-    return None
+        return m.group(1) or m.group(2)
+    return m.group(1)
+
+
+_SKIPPED: list[str] = []  # tasks a cell of this kernel found not done yet, in order
 
 
 @contextlib.contextmanager
@@ -70,13 +73,23 @@ def needs_tasks():
 
     ``with needs_tasks(): ...`` around a cell's code lets a student with half a lesson done run
     the notebook to the end: cells whose tasks are done show their results, the others print
-    ``skipped: needs Task NN.K`` instead of a traceback.
+    ``skipped: this cell needs Task NN.K`` instead of a traceback. A later cell that uses what a
+    skipped cell would have made (a NameError, KeyError or IndexError after a skip) is skipped
+    too, naming that task; before any skip those errors are raised as usual.
     """
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is a pending task
         task = pending_task(exc)
+        if task is None and isinstance(exc, (NameError, KeyError, IndexError)) and _SKIPPED:
+            # what an earlier skipped cell would have made is missing
+            task = _SKIPPED[0]
+            print(f"skipped: this cell needs {task} (it uses what an earlier skipped cell "
+                  f"makes: {type(exc).__name__}: {exc})")
+            return
         if task is None:
             raise
+        if task not in _SKIPPED:
+            _SKIPPED.append(task)
         print(f"skipped: this cell needs {task}, which is not done yet. Solve it in your "
               "exercises/ folder, then re-run this cell.")

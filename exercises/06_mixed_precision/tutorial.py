@@ -14,7 +14,7 @@
 # | 06.4 | `apex_amp.check_opt_level` | catch `'01'` (digit zero) for `'O1'` (letter O) |
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 use_lesson("06_mixed_precision")
 
@@ -34,6 +34,11 @@ from dpt.models import MLP, ConvNet
 torch.set_num_threads(1)  # the timings below compare like with like, and leave a core free
 
 # %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+
+# %% [markdown]
 # ## 1. Three formats
 #
 # fp32 has 8 exponent bits and 23 mantissa bits. fp16 keeps 10 mantissa bits but only 5
@@ -41,7 +46,8 @@ torch.set_num_threads(1)  # the timings below compare like with like, and leave 
 # exponent bits and only 7 mantissa bits: the same range as fp32, coarser steps.
 
 # %%
-precision_demo.print_table()
+with needs_tasks():
+    precision_demo.print_table()
 
 # %% [markdown]
 # Gradients are often tiny. Below: every magnitude from 1e-12 to 1, stored in fp16 and in
@@ -50,26 +56,27 @@ precision_demo.print_table()
 # those values into fp16's range; dividing by `S` again, in fp32, gives them back.
 
 # %%
-values = torch.logspace(-12, 0, 400)
-scale = 2.0 ** 16
-rel = lambda approx: ((approx - values).abs() / values).clamp(max=1.0)  # noqa: E731
-plt.figure(figsize=(7, 3))
-plt.semilogx(values, rel(precision_demo.round_trip(values, torch.float16)), label="fp16")
-plt.semilogx(values, rel(precision_demo.round_trip(values * scale, torch.float16) / scale),
-             label="fp16, scaled by 2^16 then unscaled")
-plt.semilogx(values, rel(precision_demo.round_trip(values, torch.bfloat16)), label="bf16")
-plt.xlabel("true value")
-plt.ylabel("relative error (1 = lost)")
-plt.legend()
-plt.title("what survives a round trip through 16 bits")
-plt.show()
+with needs_tasks():
+    values = torch.logspace(-12, 0, 400)
+    scale = 2.0 ** 16
+    rel = lambda approx: ((approx - values).abs() / values).clamp(max=1.0)  # noqa: E731
+    plt.figure(figsize=(7, 3))
+    plt.semilogx(values, rel(precision_demo.round_trip(values, torch.float16)), label="fp16")
+    plt.semilogx(values, rel(precision_demo.round_trip(values * scale, torch.float16) / scale),
+                 label="fp16, scaled by 2^16 then unscaled")
+    plt.semilogx(values, rel(precision_demo.round_trip(values, torch.bfloat16)), label="bf16")
+    plt.xlabel("true value")
+    plt.ylabel("relative error (1 = lost)")
+    plt.legend()
+    plt.title("what survives a round trip through 16 bits")
+    plt.show()
 
-demo = precision_demo.underflow_demo()
-print(f"d(w*x)/dw with x=1e-8: fp32 {demo['fp32']:.3g}, fp16 {demo['fp16']:.3g}, "
-      f"fp16 with loss scaling {demo['fp16_scaled_unscaled']:.3g}")
-print(f"through 4 layers of x0.01: fp16 {precision_demo.chain_underflow():.3g}, "
-      f"fp16 scaled {precision_demo.chain_underflow(scale=2.0 ** 15):.3g}, "
-      f"bf16 {precision_demo.chain_underflow(dtype=torch.bfloat16):.3g}")
+    demo = precision_demo.underflow_demo()
+    print(f"d(w*x)/dw with x=1e-8: fp32 {demo['fp32']:.3g}, fp16 {demo['fp16']:.3g}, "
+          f"fp16 with loss scaling {demo['fp16_scaled_unscaled']:.3g}")
+    print(f"through 4 layers of x0.01: fp16 {precision_demo.chain_underflow():.3g}, "
+          f"fp16 scaled {precision_demo.chain_underflow(scale=2.0 ** 15):.3g}, "
+          f"bf16 {precision_demo.chain_underflow(dtype=torch.bfloat16):.3g}")
 
 # %% [markdown]
 # That is the whole argument for **loss scaling**: multiply the loss by `S`, so by the chain
@@ -87,13 +94,14 @@ print(f"through 4 layers of x0.01: fp16 {precision_demo.chain_underflow():.3g}, 
 # overrides it; fp16 on a CPU is refused with a clear error.
 
 # %%
-cpu = torch.device("cpu")
-print("CPU flags that matter:", amp_train.cpu_flags())
-print("auto on this CPU ->", amp_train.choose_precision(cpu, "auto"))
-try:
-    amp_train.choose_precision(cpu, "fp16")
-except amp_train.PrecisionError as exc:
-    print("fp16 on CPU ->", exc)
+with needs_tasks():
+    cpu = torch.device("cpu")
+    print("CPU flags that matter:", amp_train.cpu_flags())
+    print("auto on this CPU ->", amp_train.choose_precision(cpu, "auto"))
+    try:
+        amp_train.choose_precision(cpu, "fp16")
+    except amp_train.PrecisionError as exc:
+        print("fp16 on CPU ->", exc)
 
 # %% [markdown]
 # ## 3. Where the casts happen
@@ -104,10 +112,11 @@ except amp_train.PrecisionError as exc:
 # (softmax, cross-entropy, sums) run in fp32. Here is one forward of the ConvNet under bf16:
 
 # %%
-torch.manual_seed(0)
-for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfloat16):
-    print(f"{row['module']:10} {row['type']:12} weights {row['param']:8} "
-          f"in {row['input']:9} out {row['output']}")
+with needs_tasks():
+    torch.manual_seed(0)
+    for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfloat16):
+        print(f"{row['module']:10} {row['type']:12} weights {row['param']:8} "
+              f"in {row['input']:9} out {row['output']}")
 
 # %% [markdown]
 # Backward mirrors it: each op's gradient is computed in the dtype its forward used, and the
@@ -137,86 +146,91 @@ for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfl
 # scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12.
 
 # %%
-prepare("fashion-mnist", quiet=True)
-x_train, y_train = load_tensors("fashion-mnist", train=True)
-torch.manual_seed(0)
-model = MLP()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=5)
-scales, skipped = [], []
-for step in range(25):
-    batch = (x_train[step * 32:(step + 1) * 32], y_train[step * 32:(step + 1) * 32])
-    if step == 12:
-        batch = amp_train.inject_inf(batch)
-    out = amp_train.amp_train_step(model, batch, optimizer, cpu, None, scaler, max_norm=1.0)
-    scales.append(out["scale"])
-    if out["skipped"]:
-        skipped.append(step)
-print("skipped steps:", skipped, "| scale now", scaler.get_scale())
-plt.figure(figsize=(6, 2.5))
-plt.step(range(len(scales)), scales, where="post")
-plt.scatter(skipped, [scales[s] for s in skipped], color="red", zorder=3, label="inf: skipped")
-plt.yscale("log", base=2)
-plt.xlabel("step")
-plt.ylabel("loss scale")
-plt.legend()
-plt.title("GradScaler: grows every 5 finite steps, halves on inf")
-plt.show()
+with needs_tasks():
+    prepare("fashion-mnist", quiet=True)
+    x_train, y_train = load_tensors("fashion-mnist", train=True)
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=5)
+    scales, skipped = [], []
+    for step in range(25):
+        batch = (x_train[step * 32:(step + 1) * 32], y_train[step * 32:(step + 1) * 32])
+        if step == 12:
+            batch = amp_train.inject_inf(batch)
+        out = amp_train.amp_train_step(model, batch, optimizer, cpu, None, scaler, max_norm=1.0)
+        scales.append(out["scale"])
+        if out["skipped"]:
+            skipped.append(step)
+    print("skipped steps:", skipped, "| scale now", scaler.get_scale())
+    plt.figure(figsize=(6, 2.5))
+    plt.step(range(len(scales)), scales, where="post")
+    plt.scatter(skipped, [scales[s] for s in skipped], color="red", zorder=3, label="inf: skipped")
+    plt.yscale("log", base=2)
+    plt.xlabel("step")
+    plt.ylabel("loss scale")
+    plt.legend()
+    plt.title("GradScaler: grows every 5 finite steps, halves on inf")
+    plt.show()
 
 # %% [markdown]
 # ## 5. The scaler goes into the checkpoint (task 06.2)
 
 # %%
-import tempfile
-from pathlib import Path
+with needs_tasks():
+    import tempfile
+    from pathlib import Path
 
-with tempfile.TemporaryDirectory() as tmp:
-    path = amp_train.save_checkpoint(Path(tmp) / "amp.pt", model, optimizer, scaler, step=25,
-                                     precision="fp16")
-    fresh_model = MLP()
-    fresh_opt = torch.optim.SGD(fresh_model.parameters(), lr=0.05, momentum=0.9)
-    fresh_scaler = torch.amp.GradScaler("cpu")
-    print("fresh scaler:", fresh_scaler.get_scale())
-    step = amp_train.load_checkpoint(path, fresh_model, fresh_opt, fresh_scaler)
-    print(f"resumed at step {step}: scale {fresh_scaler.get_scale()}, "
-          f"state {fresh_scaler.state_dict()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = amp_train.save_checkpoint(Path(tmp) / "amp.pt", model, optimizer, scaler, step=25,
+                                         precision="fp16")
+        fresh_model = MLP()
+        fresh_opt = torch.optim.SGD(fresh_model.parameters(), lr=0.05, momentum=0.9)
+        fresh_scaler = torch.amp.GradScaler("cpu")
+        print("fresh scaler:", fresh_scaler.get_scale())
+        step = amp_train.load_checkpoint(path, fresh_model, fresh_opt, fresh_scaler)
+        print(f"resumed at step {step}: scale {fresh_scaler.get_scale()}, "
+              f"state {fresh_scaler.state_dict()}")
 
 # %% [markdown]
 # ## 6. bf16 on this CPU: does the loss follow fp32?
 #
 # Same seed, same batches, 100 steps of the MLP each way. The curves separate after a few
-# steps (any rounding difference is amplified by SGD), but the averaged losses agree: the
-# test suite holds them to 0.1 nats over the last 100 steps, and says why.
+# steps (any rounding difference is amplified by SGD), but the averaged losses agree. The test
+# suite checks the property on a held-out set, over three data orders: bf16's loss may not be
+# worse than fp32's by more than 0.05 nats (a CPU with native bf16 and one without take
+# different paths, so only a one-sided, averaged bound holds on both).
 
 # %%
-def run(dtype, steps=100, batch=16):
-    torch.manual_seed(0)
-    m = MLP()
-    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    g = torch.Generator().manual_seed(0)
-    losses, t0 = [], time.perf_counter()
-    for _ in range(steps):
-        idx = torch.randint(0, len(x_train), (batch,), generator=g)
-        losses.append(amp_train.amp_train_step(m, (x_train[idx], y_train[idx]), opt, cpu,
-                                               dtype)["loss"])
-    return losses, time.perf_counter() - t0
+with needs_tasks():
+    def run(dtype, steps=100, batch=16):
+        torch.manual_seed(0)
+        m = MLP()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(0)
+        losses, t0 = [], time.perf_counter()
+        for _ in range(steps):
+            idx = torch.randint(0, len(x_train), (batch,), generator=g)
+            losses.append(amp_train.amp_train_step(m, (x_train[idx], y_train[idx]), opt, cpu,
+                                                   dtype)["loss"])
+        return losses, time.perf_counter() - t0
 
 
-fp32_losses, fp32_s = run(None)
-bf16_losses, bf16_s = run(torch.bfloat16)
-mean = lambda v: sum(v) / len(v)  # noqa: E731
-print(f"last-50 mean loss: fp32 {mean(fp32_losses[-50:]):.3f}, "
-      f"bf16 {mean(bf16_losses[-50:]):.3f}")
-print(f"time: fp32 {fp32_s:.1f}s, bf16 {bf16_s:.1f}s (bf16/fp32 throughput "
-      f"{fp32_s / bf16_s:.2f}x)")
-smooth = lambda v, k=15: torch.tensor(v).unfold(0, k, 1).mean(1)  # noqa: E731
-plt.figure(figsize=(6, 3))
-plt.plot(smooth(fp32_losses), label="fp32")
-plt.plot(smooth(bf16_losses), label="bf16 autocast")
-plt.xlabel("step")
-plt.ylabel("loss (mean of 15)")
-plt.legend()
-plt.show()
+    fp32_losses, fp32_s = run(None)
+    bf16_losses, bf16_s = run(torch.bfloat16)
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    print(f"last-50 mean loss: fp32 {mean(fp32_losses[-50:]):.3f}, "
+          f"bf16 {mean(bf16_losses[-50:]):.3f}")
+    print(f"time: fp32 {fp32_s:.1f}s, bf16 {bf16_s:.1f}s (bf16/fp32 throughput "
+          f"{fp32_s / bf16_s:.2f}x)")
+    smooth = lambda v, k=15: torch.tensor(v).unfold(0, k, 1).mean(1)  # noqa: E731
+    plt.figure(figsize=(6, 3))
+    plt.plot(smooth(fp32_losses), label="fp32")
+    plt.plot(smooth(bf16_losses), label="bf16 autocast")
+    plt.xlabel("step")
+    plt.ylabel("loss (mean of 15)")
+    plt.legend()
+    plt.show()
 
 # %% [markdown]
 # ## 7. With DDP (task 06.3)
@@ -232,14 +246,15 @@ plt.show()
 # `dpt.testing.run_distributed` (two CPU processes, gloo, one thread each).
 
 # %%
-from dpt.testing import run_distributed
+with needs_tasks():
+    from dpt.testing import run_distributed
 
-results = run_distributed(ddp_amp.train_ddp, world_size=2,
-                          kwargs={"precision": "bf16", "steps": 4, "batch_size": 16})
-for r in results:
-    print(f"rank {r['rank']}: all-reduced {r['allreduce_dtypes']}, params {r['param_dtypes']}, "
-          f"last loss {r['losses'][-1]:.3f}")
-print("ranks hold identical weights:", torch.equal(results[0]["params"], results[1]["params"]))
+    results = run_distributed(ddp_amp.train_ddp, world_size=2,
+                              kwargs={"precision": "bf16", "steps": 4, "batch_size": 16})
+    for r in results:
+        print(f"rank {r['rank']}: all-reduced {r['allreduce_dtypes']}, params {r['param_dtypes']}, "
+              f"last loss {r['losses'][-1]:.3f}")
+    print("ranks hold identical weights:", torch.equal(results[0]["params"], results[1]["params"]))
 
 # %% [markdown]
 # From a terminal, at the repository root: `.venv/bin/python
@@ -263,12 +278,13 @@ print("ranks hold identical weights:", torch.equal(results[0]["params"], results
 # the classic typo; `check_opt_level` turns it into an error that says so.
 
 # %%
-for level in ["O2", "01"]:
-    try:
-        print(level, "->", apex_amp.check_opt_level(level))
-    except apex_amp.OptLevelError as exc:
-        print(level, "->", exc)
-print("Apex here?", apex_amp.apex_status())
+with needs_tasks():
+    for level in ["O2", "01"]:
+        try:
+            print(level, "->", apex_amp.check_opt_level(level))
+        except apex_amp.OptLevelError as exc:
+            print(level, "->", exc)
+    print("Apex here?", apex_amp.apex_status())
 
 # %% [markdown]
 # `apex_amp.py` runs that tutorial's Apex loop only where NVIDIA Apex really is installed and a GPU
@@ -282,16 +298,17 @@ print("Apex here?", apex_amp.apex_status())
 # run, for one process and for DDP with 2 ranks, and records the CPU's flags.
 
 # %%
-from dpt.data import REPO_ROOT
+with needs_tasks():
+    from dpt.data import REPO_ROOT
 
-result_file = REPO_ROOT / "benchmarks" / "results" / "l06_precision.json"
-if result_file.exists():
-    res = json.loads(result_file.read_text())
-    print("CPU:", res["cpu"]["model"], "| flags:", res["cpu"]["relevant_flags"])
-    for k, v in res["ratios"].items():
-        print(f"  {k}: {v}")
-else:
-    print("run `python benchmarks/bench_l06_precision.py` to measure this machine")
+    result_file = REPO_ROOT / "benchmarks" / "results" / "l06_precision.json"
+    if result_file.exists():
+        res = json.loads(result_file.read_text())
+        print("CPU:", res["cpu"]["model"], "| flags:", res["cpu"]["relevant_flags"])
+        for k, v in res["ratios"].items():
+            print(f"  {k}: {v}")
+    else:
+        print("run `python benchmarks/bench_l06_precision.py` to measure this machine")
 
 # %% [markdown]
 # On this CPU (no AMX, no AVX512-BF16) bf16 is *slower* than fp32: the bf16 kernels convert

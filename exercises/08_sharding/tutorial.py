@@ -17,7 +17,7 @@
 # | 08.5 | `fsdp2_train.full_state_dict` | gather a full state dict onto rank 0 |
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 use_lesson("08_sharding")
 
@@ -29,6 +29,11 @@ import zero_accounting as acc
 import zero_optimizer as zo
 from dpt.models import ConvNet, count_parameters
 from dpt.testing import run_distributed
+
+# %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
 
 # %% [markdown]
 # ## 1. The accounting
@@ -46,26 +51,27 @@ from dpt.testing import run_distributed
 # | ZeRO-3 / FSDP | 4P/N | 4P/N | 8P/N |
 
 # %%
-P = count_parameters(ConvNet())
-print(f"ConvNet: P = {P:,} parameters")
-for stage in acc.STAGES:
-    row = acc.predict_bytes(P, 2, stage)
-    print(f"{acc.STAGE_LABELS[stage]:<36} N=2: " +
-          ", ".join(f"{k} {v / 1024:6.1f} KiB" for k, v in row.items()))
+with needs_tasks():
+    P = count_parameters(ConvNet())
+    print(f"ConvNet: P = {P:,} parameters")
+    for stage in acc.STAGES:
+        row = acc.predict_bytes(P, 2, stage)
+        print(f"{acc.STAGE_LABELS[stage]:<36} N=2: " +
+              ", ".join(f"{k} {v / 1024:6.1f} KiB" for k, v in row.items()))
 
-# A model worth sharding: 7 B parameters, and the ZeRO paper's mixed-precision count
-# (2 bytes fp16 weight + 2 fp16 grad + K=12 fp32 master weight and Adam state).
-big = 7e9
-ns = [1, 2, 4, 8, 16, 32, 64]
-fig, ax = plt.subplots(figsize=(6, 4))
-for stage in acc.STAGES:
-    ax.plot(ns, [acc.predict_bytes(big, n, stage, 2, 2, 12)["total"] / 2**30 for n in ns],
-            "o-", label=acc.STAGE_LABELS[stage])
-ax.axhline(80, color="gray", ls=":", label="one 80 GB GPU")
-ax.set(xscale="log", yscale="log", xticks=ns, xticklabels=ns, xlabel="ranks N",
-       ylabel="GiB per rank (predicted)", title="7B parameters, mixed-precision Adam")
-ax.legend(fontsize=8)
-plt.show()
+    # A model worth sharding: 7 B parameters, and the ZeRO paper's mixed-precision count
+    # (2 bytes fp16 weight + 2 fp16 grad + K=12 fp32 master weight and Adam state).
+    big = 7e9
+    ns = [1, 2, 4, 8, 16, 32, 64]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stage in acc.STAGES:
+        ax.plot(ns, [acc.predict_bytes(big, n, stage, 2, 2, 12)["total"] / 2**30 for n in ns],
+                "o-", label=acc.STAGE_LABELS[stage])
+    ax.axhline(80, color="gray", ls=":", label="one 80 GB GPU")
+    ax.set(xscale="log", yscale="log", xticks=ns, xticklabels=ns, xlabel="ranks N",
+           ylabel="GiB per rank (predicted)", title="7B parameters, mixed-precision Adam")
+    ax.legend(fontsize=8)
+    plt.show()
 
 # %% [markdown]
 # Activations come on top, and they are not sharded by any of these stages (that is what
@@ -75,13 +81,14 @@ plt.show()
 # `numel * element_size` over the parameters, gradients and the optimizer's state tensors.
 
 # %%
-torch.manual_seed(0)
-model = ConvNet()
-opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-model(torch.randn(4, 1, 28, 28)).sum().backward()
-opt.step()
-print("measured :", acc.measure_bytes(model, opt))
-print("predicted:", acc.predict_bytes(P, 1, "ddp"))
+with needs_tasks():
+    torch.manual_seed(0)
+    model = ConvNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    opt.step()
+    print("measured :", acc.measure_bytes(model, opt))
+    print("predicted:", acc.predict_bytes(P, 1, "ddp"))
 
 # %% [markdown]
 # ## 2. A sharded optimizer by hand (ZeRO-1)
@@ -90,11 +97,12 @@ print("predicted:", acc.predict_bytes(P, 1, "ddp"))
 # count: greedily give the biggest remaining tensor to the least-loaded rank.
 
 # %%
-sizes = [p.numel() for p in ConvNet().parameters()]
-owners = zo.partition_params(sizes, 2)
-for r in range(2):
-    print(f"rank {r} owns {sum(s for s, o in zip(sizes, owners) if o == r):6,} elements "
-          f"in {owners.count(r)} tensors")
+with needs_tasks():
+    sizes = [p.numel() for p in ConvNet().parameters()]
+    owners = zo.partition_params(sizes, 2)
+    for r in range(2):
+        print(f"rank {r} owns {sum(s for s, o in zip(sizes, owners) if o == r):6,} elements "
+              f"in {owners.count(r)} tensors")
 
 # %% [markdown]
 # `ShardedOptimizer(params, torch.optim.Adam, lr=...)` builds the real Adam on each rank for
@@ -105,10 +113,11 @@ for r in range(2):
 # function in a file, started by `run_distributed` (free port, fail fast, timeout).
 
 # %%
-for r in run_distributed(zo.demo_worker, world_size=2, kwargs={"steps": 5}, echo=False):
-    print(f"rank {r['rank']}: max |plain - sharded| = {r['max_diff']:.1e}; Adam state "
-          f"{r['sharded_state'] / 1024:.1f} KiB of {r['plain_state'] / 1024:.1f} KiB "
-          f"({r['owned']:.0%} owned)")
+with needs_tasks():
+    for r in run_distributed(zo.demo_worker, world_size=2, kwargs={"steps": 5}, echo=False):
+        print(f"rank {r['rank']}: max |plain - sharded| = {r['max_diff']:.1e}; Adam state "
+              f"{r['sharded_state'] / 1024:.1f} KiB of {r['plain_state'] / 1024:.1f} KiB "
+              f"({r['owned']:.0%} owned)")
 
 # %% [markdown]
 # Same weights as plain Adam, and each rank keeps about half the state. It is not exactly
@@ -127,25 +136,27 @@ for r in run_distributed(zo.demo_worker, world_size=2, kwargs={"steps": 5}, echo
 # with gloo. We train the ConvNet on Fashion-MNIST with 2 ranks, and the same with DDP.
 
 # %%
-runs = {}
-for mode in ("fsdp2", "ddp"):
-    runs[mode] = run_distributed(ft.train_worker, world_size=2, timeout=240, echo=False,
-                                 kwargs={"mode": mode, "steps": 30, "batch_size": 64,
-                                         "data": "fashion-mnist"})
-fig, ax = plt.subplots(figsize=(6, 3.5))
-for mode, ranks in runs.items():
-    ax.plot(ranks[0]["losses"], label=mode, ls="-" if mode == "ddp" else "--")
-ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="FSDP2 and DDP, 2 CPU ranks")
-ax.legend()
-plt.show()
+with needs_tasks():
+    runs = {}
+    for mode in ("fsdp2", "ddp"):
+        runs[mode] = run_distributed(ft.train_worker, world_size=2, timeout=240, echo=False,
+                                     kwargs={"mode": mode, "steps": 30, "batch_size": 64,
+                                             "data": "fashion-mnist"})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for mode, ranks in runs.items():
+        ax.plot(ranks[0]["losses"], label=mode, ls="-" if mode == "ddp" else "--")
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="FSDP2 and DDP, 2 CPU ranks")
+    ax.legend()
+    plt.show()
 
 # %%
-print(f"{'parameter':<18}{'full shape':<18}{'rank 0 local':<18}{'rank 1 local':<18}type")
-for a, b in zip(runs["fsdp2"][0]["shards"], runs["fsdp2"][1]["shards"]):
-    print(f"{a['name']:<18}{str(a['full']):<18}{str(a['local']):<18}{str(b['local']):<18}"
-          f"{a['type']} {a['placements']}")
-for mode, ranks in runs.items():
-    print(mode, "rank 0 holds", {k: f"{v / 1024:.1f} KiB" for k, v in ranks[0]["memory"].items()})
+with needs_tasks():
+    print(f"{'parameter':<18}{'full shape':<18}{'rank 0 local':<18}{'rank 1 local':<18}type")
+    for a, b in zip(runs["fsdp2"][0]["shards"], runs["fsdp2"][1]["shards"]):
+        print(f"{a['name']:<18}{str(a['full']):<18}{str(a['local']):<18}{str(b['local']):<18}"
+              f"{a['type']} {a['placements']}")
+    for mode, ranks in runs.items():
+        print(mode, "rank 0 holds", {k: f"{v / 1024:.1f} KiB" for k, v in ranks[0]["memory"].items()})
 
 # %% [markdown]
 # Saving: `full_state_dict(model)` calls `get_model_state_dict` with
@@ -154,17 +165,18 @@ for mode, ranks in runs.items():
 # plain `ConvNet` has. So it loads into a model without any FSDP around it:
 
 # %%
-from dpt.data import load_tensors  # noqa: E402
+with needs_tasks():
+    from dpt.data import load_tensors  # noqa: E402
 
-state = runs["fsdp2"][0]["state_dict"]
-print("rank 0:", len(state), "tensors; rank 1:", len(runs["fsdp2"][1]["state_dict"]))
-plain = ConvNet()
-plain.load_state_dict(state)
-plain.eval()
-x, y = load_tensors("fashion-mnist", train=False)
-with torch.no_grad():
-    acc_fsdp = (plain(x[:2000]).argmax(1) == y[:2000]).float().mean().item()
-print(f"test accuracy of the gathered model after 30 steps: {acc_fsdp:.1%}")
+    state = runs["fsdp2"][0]["state_dict"]
+    print("rank 0:", len(state), "tensors; rank 1:", len(runs["fsdp2"][1]["state_dict"]))
+    plain = ConvNet()
+    plain.load_state_dict(state)
+    plain.eval()
+    x, y = load_tensors("fashion-mnist", train=False)
+    with torch.no_grad():
+        acc_fsdp = (plain(x[:2000]).argmax(1) == y[:2000]).float().mean().item()
+    print(f"test accuracy of the gathered model after 30 steps: {acc_fsdp:.1%}")
 
 # %% [markdown]
 # ## 4. Lightning's `fsdp` strategy
@@ -174,10 +186,11 @@ print(f"test accuracy of the gathered model after 30 steps: {acc_fsdp:.1%}")
 # here it explains itself instead (`python exercises/08_sharding/fsdp2_train.py --lightning`).
 
 # %%
-try:
-    ft.lightning_fsdp_trainer(devices=2)
-except RuntimeError as exc:
-    print(exc)
+with needs_tasks():
+    try:
+        ft.lightning_fsdp_trainer(devices=2)
+    except RuntimeError as exc:
+        print(exc)
 
 # %% [markdown]
 # ## 5. What it costs
@@ -193,12 +206,13 @@ except RuntimeError as exc:
 # sharded optimizer ran as fast as DDP. The README has the table; the committed plot:
 
 # %%
-from pathlib import Path
+with needs_tasks():
+    from pathlib import Path
 
-from IPython.display import Image, display
+    from IPython.display import Image, display
 
-plot = Path(acc.__file__).resolve().parents[2] / "benchmarks" / "results" / "l08_memory.png"
-if plot.exists():
-    display(Image(filename=str(plot)))
-else:
-    print("run `python benchmarks/bench_l08_memory.py` to measure and draw it")
+    plot = Path(acc.__file__).resolve().parents[2] / "benchmarks" / "results" / "l08_memory.png"
+    if plot.exists():
+        display(Image(filename=str(plot)))
+    else:
+        print("run `python benchmarks/bench_l08_memory.py` to measure and draw it")

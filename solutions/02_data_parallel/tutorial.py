@@ -19,7 +19,7 @@
 # | 02.9 | `time_forward` | warm-up, synchronize, median |
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 use_lesson("02_data_parallel")
 
@@ -41,6 +41,11 @@ from dpt.dist import cpu_budget
 from dpt.models import MLP, ConvNet
 
 # %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+
+# %% [markdown]
 # ## `nn.DataParallel` on this machine
 #
 # The wrapper takes `device_ids` (default: every visible GPU). The model goes to the root
@@ -48,8 +53,9 @@ from dpt.models import MLP, ConvNet
 # from there. What it does depends on how many GPUs there are, so let the code say it:
 
 # %%
-print(dpl.explain_devices())
-print("GPUs:", dpl.gpu_count(), "| cores:", cpu_budget())
+with needs_tasks():
+    print(dpl.explain_devices())
+    print("GPUs:", dpl.gpu_count(), "| cores:", cpu_budget())
 
 # %% [markdown]
 # Without GPUs, the wrapper has an empty device list, and its `forward` is `self.module(x)`:
@@ -59,19 +65,20 @@ print("GPUs:", dpl.gpu_count(), "| cores:", cpu_budget())
 # the replicas' gradients into the root's parameters, where the optimizer steps.
 
 # %%
-prepare("fashion-mnist")
-torch.manual_seed(0)
-train = make_loader("fashion-mnist", train=True, batch_size=64, seed=0)
-test = make_loader("fashion-mnist", train=False, batch_size=500, limit=2000)  # a quick look
-dp_model, root = dpl.wrap(ConvNet())
-optimizer = torch.optim.SGD(dp_model.parameters(), lr=0.05, momentum=0.9)
-losses, start = [], time.perf_counter()
-for i, batch in enumerate(train):
-    if i == 40:
-        break
-    losses.append(dpl.train_step(dp_model, batch, optimizer, root))
-print(f"{len(losses)} steps in {time.perf_counter() - start:.1f}s on {root}, "
-      f"test accuracy {dpl.accuracy(dp_model, test, root):.4f}")
+with needs_tasks():
+    prepare("fashion-mnist")
+    torch.manual_seed(0)
+    train = make_loader("fashion-mnist", train=True, batch_size=64, seed=0)
+    test = make_loader("fashion-mnist", train=False, batch_size=500, limit=2000)  # a quick look
+    dp_model, root = dpl.wrap(ConvNet())
+    optimizer = torch.optim.SGD(dp_model.parameters(), lr=0.05, momentum=0.9)
+    losses, start = [], time.perf_counter()
+    for i, batch in enumerate(train):
+        if i == 40:
+            break
+        losses.append(dpl.train_step(dp_model, batch, optimizer, root))
+    print(f"{len(losses)} steps in {time.perf_counter() - start:.1f}s on {root}, "
+          f"test accuracy {dpl.accuracy(dp_model, test, root):.4f}")
 
 # %% [markdown]
 # ### Save through `.module`
@@ -80,12 +87,13 @@ print(f"{len(losses)} steps in {time.perf_counter() - start:.1f}s on {root}, "
 # Save `dp_model.module.state_dict()` and the checkpoint loads anywhere, wrapped or not.
 
 # %%
-print("wrapper keys:", list(dp_model.state_dict())[:2])
-with tempfile.TemporaryDirectory() as tmp:
-    path = dpl.save_plain(dp_model, Path(tmp) / "dp.pt", epoch=1)
-    plain = ConvNet()
-    dpl.load_plain(path, plain)
-    print("plain model after reload: accuracy", f"{dpl.accuracy(plain, test, torch.device('cpu')):.4f}")
+with needs_tasks():
+    print("wrapper keys:", list(dp_model.state_dict())[:2])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = dpl.save_plain(dp_model, Path(tmp) / "dp.pt", epoch=1)
+        plain = ConvNet()
+        dpl.load_plain(path, plain)
+        print("plain model after reload: accuracy", f"{dpl.accuracy(plain, test, torch.device('cpu')):.4f}")
 
 # %% [markdown]
 # ## DataParallel by hand
@@ -94,10 +102,11 @@ with tempfile.TemporaryDirectory() as tmp:
 # `figures/data_parallel.svg` in the lesson folder; `figures/dp_diagram.py` draws it):
 
 # %%
-from figures import dp_diagram
+with needs_tasks():
+    from figures import dp_diagram
 
-dp_diagram.draw(n=3, batch=7)
-plt.show()
+    dp_diagram.draw(n=3, batch=7)
+    plt.show()
 
 # %% [markdown]
 # You write each step as a function: `scatter`, `replicate`, `parallel_apply`, `gather`.
@@ -106,15 +115,16 @@ plt.show()
 # same time. On CUDA the same functions call torch's `nn.parallel` primitives.
 
 # %%
-x = torch.randn(7, 1, 28, 28)
-chunks = dbh.scatter(x, 3)
-print("scatter 7 samples over 3:", [len(c) for c in chunks])
-model = ConvNet(batch_norm=False)
-replicas = dbh.replicate(model, len(chunks))
-print("replica 0 weight is a leaf?", replicas[0].fc.weight.is_leaf,
-      "| grad_fn:", type(replicas[0].fc.weight.grad_fn).__name__)
-outs = dbh.parallel_apply(replicas, chunks)
-print("gathered:", tuple(dbh.gather(outs).shape))
+with needs_tasks():
+    x = torch.randn(7, 1, 28, 28)
+    chunks = dbh.scatter(x, 3)
+    print("scatter 7 samples over 3:", [len(c) for c in chunks])
+    model = ConvNet(batch_norm=False)
+    replicas = dbh.replicate(model, len(chunks))
+    print("replica 0 weight is a leaf?", replicas[0].fc.weight.is_leaf,
+          "| grad_fn:", type(replicas[0].fc.weight.grad_fn).__name__)
+    outs = dbh.parallel_apply(replicas, chunks)
+    print("gathered:", tuple(dbh.gather(outs).shape))
 
 # %% [markdown]
 # The replicas' weights are not leaves: they are outputs of `Broadcast`, whose backward *sums*
@@ -124,16 +134,17 @@ print("gathered:", tuple(dbh.gather(outs).shape))
 # against one model on the full batch, with an uneven split:
 
 # %%
-torch.manual_seed(0)
-model = ConvNet(batch_norm=False)
-single = copy.deepcopy(model)
-x, y = torch.randn(10, 1, 28, 28), torch.randint(0, 10, (10,))
-dp = dbh.DataParallelByHand(model, n_replicas=3)  # chunks of 4, 4, 2
-F.cross_entropy(dp(x), y).backward()
-F.cross_entropy(single(x), y).backward()
-worst = max((p.grad - q.grad).abs().max().item()
-            for p, q in zip(model.parameters(), single.parameters()))
-print(f"largest gradient difference vs. one model on the full batch: {worst:.1e}")
+with needs_tasks():
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    single = copy.deepcopy(model)
+    x, y = torch.randn(10, 1, 28, 28), torch.randint(0, 10, (10,))
+    dp = dbh.DataParallelByHand(model, n_replicas=3)  # chunks of 4, 4, 2
+    F.cross_entropy(dp(x), y).backward()
+    F.cross_entropy(single(x), y).backward()
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(model.parameters(), single.parameters()))
+    print(f"largest gradient difference vs. one model on the full batch: {worst:.1e}")
 
 # %% [markdown]
 # ## The caveats
@@ -144,25 +155,26 @@ print(f"largest gradient difference vs. one model on the full batch: {worst:.1e}
 # guarantees this for `device_ids[0]`), so it counts forwards, not samples or replicas.
 
 # %%
-class Counting(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.python_calls = 0
-        self.register_buffer("buffer_calls", torch.zeros((), dtype=torch.long))
+with needs_tasks():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.python_calls = 0
+            self.register_buffer("buffer_calls", torch.zeros((), dtype=torch.long))
 
-    def forward(self, x):
-        self.python_calls += 1
-        self.buffer_calls += 1
-        return self.lin(x)
+        def forward(self, x):
+            self.python_calls += 1
+            self.buffer_calls += 1
+            return self.lin(x)
 
 
-counting = Counting()
-wrapped = dbh.DataParallelByHand(counting, n_replicas=3)
-for _ in range(4):
-    wrapped(torch.randn(6, 4))
-print(f"4 forwards x 3 replicas: python counter {counting.python_calls}, "
-      f"buffer counter {counting.buffer_calls.item()}")
+    counting = Counting()
+    wrapped = dbh.DataParallelByHand(counting, n_replicas=3)
+    for _ in range(4):
+        wrapped(torch.randn(6, 4))
+    print(f"4 forwards x 3 replicas: python counter {counting.python_calls}, "
+          f"buffer counter {counting.buffer_calls.item()}")
 
 # %% [markdown]
 # What to do instead: compute anything that must see the whole batch, or persist across steps,
@@ -177,19 +189,20 @@ print(f"4 forwards x 3 replicas: python counter {counting.python_calls}, "
 # the other replicas update clones that are then thrown away.
 
 # %%
-torch.manual_seed(0)
-bn_model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-xb = torch.randn(12, 4) + torch.linspace(-3, 3, 12)[:, None]  # chunks differ on purpose
-dbh.DataParallelByHand(bn_model, n_replicas=3)(xb)
-first_only = copy.deepcopy(bn_model)
-first_only[1].reset_running_stats()
-first_only(xb[:4])
-full = copy.deepcopy(bn_model)
-full[1].reset_running_stats()
-full(xb)
-print("root running_mean   ", bn_model[1].running_mean)
-print("from chunk 0 only   ", first_only[1].running_mean)
-print("from the full batch ", full[1].running_mean)
+with needs_tasks():
+    torch.manual_seed(0)
+    bn_model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    xb = torch.randn(12, 4) + torch.linspace(-3, 3, 12)[:, None]  # chunks differ on purpose
+    dbh.DataParallelByHand(bn_model, n_replicas=3)(xb)
+    first_only = copy.deepcopy(bn_model)
+    first_only[1].reset_running_stats()
+    first_only(xb[:4])
+    full = copy.deepcopy(bn_model)
+    full[1].reset_running_stats()
+    full(xb)
+    print("root running_mean   ", bn_model[1].running_mean)
+    print("from chunk 0 only   ", first_only[1].running_mean)
+    print("from the full batch ", full[1].running_mean)
 
 # %% [markdown]
 # What to do instead: use large enough chunks per device, or `nn.SyncBatchNorm` with DDP, which
@@ -205,12 +218,13 @@ print("from the full batch ", full[1].running_mean)
 # full sweep is `.venv/bin/python solutions/02_data_parallel/dp_timing.py`. This one is small so that the notebook stays quick.
 
 # %%
-n = max(2, cpu_budget())
-result = dp_timing.sweep([1, 8, 64], n, model_name="convnet", warmup=2, repeats=3)
-fig = dp_timing.plot(result)
-plt.show()
-for name, secs in result["lines"].items():
-    print(f"{name:42s}", "  ".join(f"{1000 * s:7.1f} ms" for s in secs))
+with needs_tasks():
+    n = max(2, cpu_budget())
+    result = dp_timing.sweep([1, 8, 64], n, model_name="convnet", warmup=2, repeats=3)
+    fig = dp_timing.plot(result)
+    plt.show()
+    for name, secs in result["lines"].items():
+        print(f"{name:42s}", "  ".join(f"{1000 * s:7.1f} ms" for s in secs))
 
 # %% [markdown]
 # **Why DataParallel can be slower for small batches.** Every forward pays a fixed cost before

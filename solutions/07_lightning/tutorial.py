@@ -17,7 +17,7 @@
 # | 07.6 | `lit_migration.migrate_trainer_kwargs` | 1.x `Trainer` kwargs to 2.x |
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 use_lesson("07_lightning")
 
@@ -37,6 +37,11 @@ from dpt.data import prepare
 warnings.filterwarnings("ignore")
 prepare("fashion-mnist")
 LESSON_DIR = os.path.dirname(lit_fashion.__file__)
+
+# %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
 
 # %% [markdown]
 # ## The module and the datamodule
@@ -59,31 +64,32 @@ LESSON_DIR = os.path.dirname(lit_fashion.__file__)
 # A tiny single-process fit first, in this kernel:
 
 # %%
-pl.seed_everything(1, verbose=False)
-dm = lit_fashion.FashionDataModule(batch_size=64, train_limit=4096, val_limit=1000)
-model = lit_fashion.LitClassifier(learning_rate=1e-3)
+with needs_tasks():
+    pl.seed_everything(1, verbose=False)
+    dm = lit_fashion.FashionDataModule(batch_size=64, train_limit=4096, val_limit=1000)
+    model = lit_fashion.LitClassifier(learning_rate=1e-3)
 
 
-class History(pl.Callback):
-    def __init__(self):
-        self.losses = []
+    class History(pl.Callback):
+        def __init__(self):
+            self.losses = []
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
 
 
-history = History()
-trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[history])
-trainer.fit(model, datamodule=dm)
-print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items()})
-plt.figure(figsize=(6, 3))
-plt.plot(history.losses)
-plt.xlabel("step")
-plt.ylabel("train loss")
-plt.title("LitClassifier, 4096 Fashion-MNIST samples, 2 epochs")
-plt.show()
+    history = History()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[history])
+    trainer.fit(model, datamodule=dm)
+    print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items()})
+    plt.figure(figsize=(6, 3))
+    plt.plot(history.losses)
+    plt.xlabel("step")
+    plt.ylabel("train loss")
+    plt.title("LitClassifier, 4096 Fashion-MNIST samples, 2 epochs")
+    plt.show()
 
 # %% [markdown]
 # ## Several processes from a notebook: why `ddp_notebook`
@@ -100,15 +106,16 @@ plt.show()
 # training would run as a script with `ddp` or `ddp_spawn`.
 
 # %%
-pl.seed_everything(1, verbose=False)
-dm2 = lit_fashion.FashionDataModule(batch_size=32, train_limit=2048, val_limit=512, seed=1)
-model2 = lit_fashion.LitClassifier(learning_rate=1e-3)
-trainer2 = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_epochs=1,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
-trainer2.fit(model2, datamodule=dm2)
-print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
-                                      for k, v in trainer2.callback_metrics.items()})
+with needs_tasks():
+    pl.seed_everything(1, verbose=False)
+    dm2 = lit_fashion.FashionDataModule(batch_size=32, train_limit=2048, val_limit=512, seed=1)
+    model2 = lit_fashion.LitClassifier(learning_rate=1e-3)
+    trainer2 = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_epochs=1,
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0)
+    trainer2.fit(model2, datamodule=dm2)
+    print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
+                                          for k, v in trainer2.callback_metrics.items()})
 
 # %% [markdown]
 # The same run as a script, where `ddp` can re-run it (the tests do this, with a timeout):
@@ -122,14 +129,15 @@ print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
 # The GPU-only strategies stop with the reason on this CPU machine:
 
 # %%
-import lit_train
+with needs_tasks():
+    import lit_train
 
-for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp", "16-mixed")):
-    try:  # the check lit_train.py runs before it builds the Trainer
-        lit_train.check_choices("cpu", strategy, precision, 2, cuda_available=False,
-                                deepspeed_installed=False)
-    except lit_train.UsageError as exc:
-        print(f"--strategy {strategy} --precision {precision} -> error: {exc}")
+    for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp", "16-mixed")):
+        try:  # the check lit_train.py runs before it builds the Trainer
+            lit_train.check_choices("cpu", strategy, precision, 2, cuda_available=False,
+                                    deepspeed_installed=False)
+        except lit_train.UsageError as exc:
+            print(f"--strategy {strategy} --precision {precision} -> error: {exc}")
 
 # %% [markdown]
 # ## Which strategy when (the Lightning MNIST notebook's list, updated)
@@ -158,11 +166,12 @@ for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp
 # this notebook uses `ddp_notebook`.
 
 # %%
-from IPython.display import Markdown, display
+with needs_tasks():
+    from IPython.display import Markdown, display
 
-proc = subprocess.run([sys.executable, lit_migration.__file__], capture_output=True, text=True,
-                      timeout=150)
-display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("|"))))
+    proc = subprocess.run([sys.executable, lit_migration.__file__], capture_output=True, text=True,
+                          timeout=150)
+    display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("|"))))
 
 # %% [markdown]
 # Note the `training_step_end` row: no error at all. Lightning 2.x simply never calls it, so a
@@ -176,9 +185,10 @@ display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswit
 # the backward, are task 07.5. Run with `devices=2` on CPU:
 
 # %%
-proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
-                       "2", "--limit", "1024"], capture_output=True, text=True, timeout=150)
-print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")))
+with needs_tasks():
+    proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
+                           "2", "--limit", "1024"], capture_output=True, text=True, timeout=150)
+    print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")))
 
 # %% [markdown]
 # Both ranks end with the same parameter checksum: DDP kept the replicas identical.
@@ -197,23 +207,24 @@ print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")
 # cell below draws the committed result files (or yours, once you rerun the script):
 
 # %%
-from pathlib import Path
+with needs_tasks():
+    from pathlib import Path
 
-results = Path(lit_fashion.__file__).resolve().parents[2] / "benchmarks" / "results"
-runs = {"MLP, batch 64": results / "l07_lightning_vs_raw.json",
-        "ConvNet, batch 128": results / "l07_lightning_vs_raw_convnet.json"}
-runs = {name: json.loads(f.read_text()) for name, f in runs.items() if f.exists()}
-runs = {name: r for name, r in runs.items() if "median_step_ms" in r}
-if runs:
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False)
-    for ax, (name, r) in zip(axes.flat, runs.items()):
-        ms = r["median_step_ms"]
-        ax.bar(["raw DDP loop", "Lightning ddp"], [ms["raw"], ms["lightning"]])
-        ax.set_title(f"{name}: Lightning {r['median_step_ratio']:.2f}x per step,\n"
-                     f"{r['lightning_throughput_ratio']:.2f}x per epoch", fontsize=9)
-        ax.set_ylabel("median ms per step")
-    plt.tight_layout()
-    plt.show()
-else:
-    print("run `python benchmarks/bench_l07_lightning_vs_raw.py` to measure; figures are in "
-          "this lesson's README")
+    results = Path(lit_fashion.__file__).resolve().parents[2] / "benchmarks" / "results"
+    runs = {"MLP, batch 64": results / "l07_lightning_vs_raw.json",
+            "ConvNet, batch 128": results / "l07_lightning_vs_raw_convnet.json"}
+    runs = {name: json.loads(f.read_text()) for name, f in runs.items() if f.exists()}
+    runs = {name: r for name, r in runs.items() if "median_step_ms" in r}
+    if runs:
+        fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False)
+        for ax, (name, r) in zip(axes.flat, runs.items()):
+            ms = r["median_step_ms"]
+            ax.bar(["raw DDP loop", "Lightning ddp"], [ms["raw"], ms["lightning"]])
+            ax.set_title(f"{name}: Lightning {r['median_step_ratio']:.2f}x per step,\n"
+                         f"{r['lightning_throughput_ratio']:.2f}x per epoch", fontsize=9)
+            ax.set_ylabel("median ms per step")
+        plt.tight_layout()
+        plt.show()
+    else:
+        print("run `python benchmarks/bench_l07_lightning_vs_raw.py` to measure; figures are in "
+              "this lesson's README")
