@@ -103,6 +103,7 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     set_threads(threads or threads_per_rank(local_world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))  # as torchrun would (mp.spawn does not)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
