@@ -94,7 +94,7 @@ class Trainer:
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimization step on one batch (already on the device); returns its loss."""
-        # BEGIN SOLUTION 01.1: your lesson-01 answer
+        # BEGIN SOLUTION 01.1: copy your answer from lesson 01
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(source), targets)
         loss.backward()
@@ -171,7 +171,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A crash in the middle of a save must never leave a broken file at ``path``, and the
     model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
     """
-    # BEGIN SOLUTION 01.3: your lesson-01 answer
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
     state = {"model": getattr(model, "module", model).state_dict(),
              "optimizer": optimizer.state_dict(), "epoch": epoch, **extra}
     return ckpt.atomic_save(state, path)
@@ -186,7 +186,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
     """
-    # BEGIN SOLUTION 01.3: your lesson-01 answer
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
     state = ckpt.load(path, map_location=device)
     getattr(model, "module", model).load_state_dict(state["model"])
     if optimizer is not None:

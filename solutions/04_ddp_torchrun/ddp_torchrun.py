@@ -76,7 +76,7 @@ def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample. With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    # BEGIN SOLUTION 03.2: your lesson-03 loader
+    # BEGIN SOLUTION 03.2: copy your answer from lesson 03
     sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)
     return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)
     # END SOLUTION
@@ -109,7 +109,7 @@ class Trainer:
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimization step on one batch (already on the device); returns its loss."""
-        # BEGIN SOLUTION 01.1: your lesson-01 answer
+        # BEGIN SOLUTION 01.1: copy your answer from lesson 01
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(source), targets)
         loss.backward()
@@ -121,7 +121,7 @@ class Trainer:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
         steps = len(self.train_data) if limit_batches is None else limit_batches
         steps = min(steps, len(self.train_data))
-        # BEGIN SOLUTION 03.3: your lesson-03 answer
+        # BEGIN SOLUTION 03.3: copy your answer from lesson 03
         self.train_data.sampler.set_epoch(epoch)
         # END SOLUTION
         self.model.train()
@@ -163,7 +163,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    # BEGIN SOLUTION 03.5: your lesson-03 answer
+    # BEGIN SOLUTION 03.5: copy your answer from lesson 03
     was_training = model.training
     model.eval()
     sampler = loader.sampler  # positions rank, rank + N, ... of a list padded past the data
@@ -188,7 +188,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A crash in the middle of a save must never leave a broken file at ``path``, and the
     model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
     """
-    # BEGIN SOLUTION 01.3: your lesson-01 answer
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
     state = {"model": getattr(model, "module", model).state_dict(),
              "optimizer": optimizer.state_dict(), "epoch": epoch, **extra}
     return ckpt.atomic_save(state, path)
@@ -203,7 +203,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
     """
-    # BEGIN SOLUTION 01.3: your lesson-01 answer
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
     state = ckpt.load(path, map_location=device)
     getattr(model, "module", model).load_state_dict(state["model"])
     if optimizer is not None:
