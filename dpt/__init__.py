@@ -2,7 +2,7 @@
 
 - ``dpt.data``: Fashion-MNIST / MNIST on disk, the classic ``DataLoader`` path and a fast
   in-memory path, plus a toy regression set.
-- ``dpt.models``: the seeds' models (ConvNet, MLP, FashionCNN, linear regression).
+- ``dpt.models``: the course's models (ConvNet, MLP, FashionCNN, linear regression).
 - ``dpt.device``: device and backend choice (cuda, then mps, then cpu).
 - ``dpt.dist``: process-group setup on a free port, per-rank thread budgets, teardown.
 - ``dpt.checkpoint``: atomic save and careful load.

@@ -1,11 +1,13 @@
-"""The seeds' models, written once for every lesson.
+"""The course's models, written once for every lesson.
 
-- :class:`ConvNet`: seed 003's two conv blocks (conv, batch norm, ReLU, max-pool) and a linear
-  head. The course's default model.
-- :class:`MLP`: seed 000's two-layer perceptron (784 -> hidden -> 10).
-- :class:`FashionCNN`: a wider CNN in the spirit of seed 002's Fashion-MNIST model, used where a
-  lesson wants more compute per sample (DataParallel timing, benchmarks).
-- :class:`LinearRegression`: seed 004's ``torch.nn.Linear(20, 1)`` for the toy dataset.
+- :class:`ConvNet`: the two conv blocks (conv, batch norm, ReLU, max-pool) and linear head of
+  the tutorial *Distributed data parallel training in PyTorch*. The course's default model.
+- :class:`MLP`: the two-layer perceptron (784 -> hidden -> 10) of the PyTorch Lightning
+  distributed-training notebook.
+- :class:`FashionCNN`: a wider CNN in the spirit of the Fashion-MNIST model of DTU's MLOps
+  course, used where a lesson wants more compute per sample (DataParallel timing, benchmarks).
+- :class:`LinearRegression`: the ``torch.nn.Linear(20, 1)`` of PyTorch's DDP tutorial series,
+  for the toy dataset.
 """
 
 from __future__ import annotations

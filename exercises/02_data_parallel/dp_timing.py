@@ -1,7 +1,7 @@
 # Exercise file, generated from solutions/ by `make exercises`.
 # Replace each `raise NotImplementedError("Task ...")` with your code;
 # `make grade` scores each task.
-"""Lesson 02: seed 002's question, measured. Does DataParallel make inference faster?
+"""Lesson 02: DTU's MLOps course asks it; here it is measured. Does DataParallel make inference faster?
 
 Time the forward pass of the same model on 1 device and on N devices over a sweep of batch
 sizes, and plot latency against batch size. A fair clock needs three things:

@@ -1,6 +1,6 @@
 """Lesson 02: DataParallel by hand.
 
-``nn.DataParallel`` does four things on every forward (seed 002's figure):
+``nn.DataParallel`` does four things on every forward (the figure in the distributed-training module of DTU's MLOps course):
 
 1. **scatter** the batch into N chunks along dimension 0 (the last chunk may be smaller);
 2. **replicate** the model: N copies whose weights are *copies of the root's*, made afresh on

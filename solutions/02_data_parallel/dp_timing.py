@@ -1,4 +1,4 @@
-"""Lesson 02: seed 002's question, measured. Does DataParallel make inference faster?
+"""Lesson 02: DTU's MLOps course asks it; here it is measured. Does DataParallel make inference faster?
 
 Time the forward pass of the same model on 1 device and on N devices over a sweep of batch
 sizes, and plot latency against batch size. A fair clock needs three things:

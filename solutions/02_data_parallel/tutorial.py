@@ -90,7 +90,8 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## DataParallel by hand
 #
-# Here are the four steps of seed 002's figure. With no GPU we use one thread per replica,
+# Here are the four steps, as the distributed-training module of DTU's MLOps course draws
+# them. With no GPU we use one thread per replica,
 # and each thread gets `cores // N` intra-op threads, so that N replicas do not oversubscribe
 # the cores. Torch releases the GIL inside its kernels, so the replicas really do run at the
 # same time. On CUDA the same functions call torch's `nn.parallel` primitives.
@@ -126,7 +127,7 @@ worst = max((p.grad - q.grad).abs().max().item()
 print(f"largest gradient difference vs. one model on the full batch: {worst:.1e}")
 
 # %% [markdown]
-# ## The caveats (seed 000)
+# ## The caveats (from the PyTorch Lightning distributed-training notebook)
 #
 # **State changed in `forward` is lost.** Replicas are rebuilt on every forward and thrown
 # away after it. A counter kept as a Python attribute never moves on the root. A buffer updated
@@ -186,7 +187,7 @@ print("from the full batch ", full[1].running_mean)
 # computes the statistics over all devices. Or choose a model without batch norm (group norm,
 # layer norm).
 #
-# ## The timing study (seed 002)
+# ## The timing study (from DTU's MLOps course)
 #
 # Does splitting the batch make inference faster? `time_forward` does warm-up runs first,
 # synchronizes the device before each clock read, and takes the median of repeats. Here a

@@ -149,6 +149,7 @@ class Trainer:
         losses = []
         for epoch in range(self.epochs_run, max_epochs):
             losses.append(self._run_epoch(epoch, limit_batches))
+            rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")
             self.epochs_run = epoch + 1
             if self.snapshot_path and self.epochs_run % self.save_every == 0:
                 self._save_snapshot(self.epochs_run)
