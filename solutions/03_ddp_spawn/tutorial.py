@@ -69,6 +69,27 @@ for rank in range(2):
 # count each sample once, and then add up the ranks' counts, so that every rank reports the
 # accuracy of the *whole* test set.
 #
+# For training, the sampler shuffles one permutation (the same `seed + epoch` on every rank)
+# and deals it out. Here are 11 samples on 3 ranks over two epochs: each epoch every sample
+# goes to one rank (the padded repeat, ringed, makes 12), and `set_epoch` deals a new order.
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 2.4), sharey=True)
+for epoch, ax in enumerate(axes):
+    for rank in range(3):
+        s = DistributedSampler(range(11), num_replicas=3, rank=rank, shuffle=True, seed=0)
+        s.set_epoch(epoch)
+        order = list(s)
+        ax.scatter(order, [rank] * len(order), s=80, label=f"rank {rank}")
+        repeats = order[len(range(rank, 11, 3)):]  # positions past the data: padding
+        ax.scatter(repeats, [rank] * len(repeats), s=260, facecolors="none", edgecolors="k")
+    ax.set(title=f"epoch {epoch}", xlabel="sample", xticks=range(11), yticks=range(3))
+axes[0].set_ylabel("rank")
+plt.tight_layout()
+plt.show()
+#
 # ## Train on two ranks
 #
 # The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from dpt.data import TensorLoader
@@ -106,10 +107,11 @@ def save_on_ranks(rank, world_size, folder):
     torch.manual_seed(0)
     model = ConvNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(4, seed=rank)
+    F.cross_entropy(model(x), y).backward()  # a plain step: the optimizer gets momentum
+    opt.step()
     trainer = mod.Trainer(model, None, opt, rank_device(),
                           checkpoint_path=Path(folder) / f"own{rank}.pt")
-    x, y = _data(4, seed=rank)
-    trainer._run_batch(x.to(trainer.device), y.to(trainer.device))
     trainer._save_checkpoint(2)
     dist.barrier()
     real_save = mod.save_checkpoint
