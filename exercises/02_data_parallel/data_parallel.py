@@ -19,9 +19,9 @@ calls the module there. Either way it is lesson 01's training, which this script
 
 Run it::
 
-    python solutions/02_data_parallel/data_parallel.py --limit-batches 200
-    python solutions/02_data_parallel/data_parallel.py --device-ids 0,1 --epochs 1   # 2 GPUs
-    python solutions/02_data_parallel/data_parallel.py --checkpoint /tmp/dp.pt --limit-batches 50
+    python exercises/02_data_parallel/data_parallel.py --limit-batches 200
+    python exercises/02_data_parallel/data_parallel.py --device-ids 0,1 --epochs 1   # 2 GPUs
+    python exercises/02_data_parallel/data_parallel.py --checkpoint /tmp/dp.pt --limit-batches 50
 """
 
 from __future__ import annotations

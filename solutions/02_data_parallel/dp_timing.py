@@ -24,9 +24,9 @@ split starts to pay, approaching (never reaching) N times faster.
 
 Run it::
 
-    python solutions/02_data_parallel/dp_timing.py                       # CPU: N = cores
-    python solutions/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
-    python solutions/02_data_parallel/dp_timing.py --out benchmarks/results/l02_dp_timing
+    python exercises/02_data_parallel/dp_timing.py                       # CPU: N = cores
+    python exercises/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
+    python exercises/02_data_parallel/dp_timing.py --out benchmarks/results/l02_dp_timing
 """
 
 from __future__ import annotations
