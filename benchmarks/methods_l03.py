@@ -1,9 +1,9 @@
 """Lesson 03's method: plain torch DDP, one process per device, as ``ddp_spawn.py`` trains.
 
-The harness has already joined the process group, so the method only wraps the model the way
-the lesson does (``ddp_spawn.wrap_model``) and runs the lesson's step. ``compute_step`` is the
-same step under ``no_sync()`` (no gradient all-reduce), so the harness can split the time into
-compute and communication.
+The harness has already joined the process group, so the method builds the lesson's
+``Trainer`` (which moves the model to the device and wraps it in DDP) and times its
+``_run_batch``. ``compute_step`` is the same step under ``no_sync()`` (no gradient
+all-reduce), so the harness can split the time into compute and communication.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from benchmarks.registry import BenchContext, method
 def ddp_spawn(ctx: BenchContext):
     import ddp_spawn as lesson
 
-    model = lesson.wrap_model(ctx.model(), ctx.device)
+    model = ctx.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    batch = ctx.batch()
+    trainer = lesson.Trainer(model, None, opt, ctx.device)  # to the device, wrapped in DDP
+    x, y = ctx.batch()
 
     def step() -> float:
-        return lesson.train_step(model, batch, opt, ctx.device)
+        return trainer._run_batch(x, y)
 
     def compute_only() -> float:
-        with model.no_sync():
-            return lesson.train_step(model, batch, opt, ctx.device)
+        with trainer.model.no_sync():
+            return trainer._run_batch(x, y)
 
     return step, {"compute_step": compute_only}

@@ -16,9 +16,9 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.registry import BenchContext, method, optimizer_step
 
@@ -27,22 +27,24 @@ from benchmarks.registry import BenchContext, method, optimizer_step
         "torch DDP (the step torchrun launches in lesson 04) + a rank-0 atomic snapshot of "
         "model, optimizer and RNG every 10 steps")
 def ddp_snapshot(ctx: BenchContext):
-    from ddp_torchrun import save_snapshot  # lesson 04's module (registry puts it on sys.path)
+    from ddp_torchrun import Trainer  # lesson 04's module (registry puts it on sys.path)
 
-    model = ctx.model().to(ctx.device)
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    model = ctx.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     every = int(ctx.options.get("snapshot_every", 10))
     folder = Path(tempfile.mkdtemp(prefix=f"dpt-l04-bench-r{ctx.rank}-"))
     weakref.finalize(opt, shutil.rmtree, folder, True)
+    # no data loader: a snapshot only reads the sampler's seed from it
+    data = SimpleNamespace(sampler=SimpleNamespace(seed=ctx.seed))
+    trainer = Trainer(model, data, opt, ctx.device, snapshot_path=folder / "snapshot.pt")
     batch = ctx.batch()
     count = {"steps": 0}
 
     def step() -> float:
-        loss = optimizer_step(ddp, opt, batch)
+        loss = optimizer_step(trainer.model, opt, batch)
         count["steps"] += 1
         if count["steps"] % every == 0:
-            save_snapshot(folder / "snapshot.pt", ddp, opt, count["steps"], ctx.seed, ctx.device)
+            trainer._save_snapshot(count["steps"])
         return loss
 
     return step
@@ -50,7 +52,7 @@ def ddp_snapshot(ctx: BenchContext):
 
 @method("ddp_torchrun",
         "torch DDP launched by torchrun, joined as lesson 04 does (torchrun_env + setup), "
-        "stepping lesson 04's Trainer.ddp", launcher="torchrun")
+        "stepping lesson 04's Trainer.model", launcher="torchrun")
 def ddp_torchrun(ctx: BenchContext):
     from ddp_torchrun import Trainer  # lesson 04
 
@@ -60,10 +62,10 @@ def ddp_torchrun(ctx: BenchContext):
     batch = ctx.batch()
 
     def step() -> float:
-        return optimizer_step(trainer.ddp, opt, batch)
+        return optimizer_step(trainer.model, opt, batch)
 
     def compute_only() -> float:
-        with trainer.ddp.no_sync():
-            return optimizer_step(trainer.ddp, opt, batch)
+        with trainer.model.no_sync():
+            return optimizer_step(trainer.model, opt, batch)
 
     return step, {"compute_step": compute_only}

@@ -1,7 +1,8 @@
 """Process-group plumbing every multi-process lesson shares.
 
-Lesson 03 writes its own ``ddp_setup`` to learn what goes in it; later lessons call
-:func:`setup` here. Nothing in this module hard-codes a port.
+Lessons 03 and 04 join the group through :func:`setup` (what they teach is who each process
+is: its global rank, and where that comes from); later lessons call it too. Nothing in this
+module hard-codes a port.
 """
 
 from __future__ import annotations
@@ -9,14 +10,30 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dpt.device import backend_for, mps_note, pick_device
+from dpt.device import DeviceError, backend_for, mps_note, pick_device
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DPT_DIST_TIMEOUT", "120"))
+
+
+class LaunchError(ValueError):
+    """The job, as launched, cannot run: bad ranks, no shared port, not started by torchrun."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """Who a process started by torchrun is (lesson 04's ``torchrun_env`` reads it)."""
+
+    rank: int  # global rank: 0 .. world_size-1 across every node
+    local_rank: int  # rank on this machine: which GPU to use
+    world_size: int  # processes in the whole job
+    local_world_size: int  # processes on this machine (they share its CPU cores)
+    restart_count: int  # 0 on the first attempt, then 1, 2, ... after each elastic restart
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -58,39 +75,42 @@ def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
-            raise RuntimeError(f"{name} is not set; launch this script with torchrun")
+            raise LaunchError(f"{name} is not set; launch this script with torchrun")
         return default
     return int(value)
 
 
 def setup(rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
           device: str | torch.device | None = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-          threads: int | None = None) -> torch.device:
+          threads: int | None = None, local_world_size: int | None = None) -> torch.device:
     """Join the process group and return this rank's device.
 
     Missing arguments come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE). MASTER_ADDR defaults to localhost; without MASTER_PORT, a single
-    process group on one machine must already have one chosen by its launcher.
+    LOCAL_WORLD_SIZE). The backend follows the device (NCCL for CUDA, gloo otherwise); on
+    CUDA, process ``local_rank`` of a machine uses its GPU ``local_rank``; the CPU threads are
+    split among the ``local_world_size`` processes of the machine. MASTER_ADDR defaults to
+    localhost; MASTER_PORT must have been chosen by the launcher, one port for every rank.
     """
     rank = env_int("RANK") if rank is None else rank
     world_size = env_int("WORLD_SIZE") if world_size is None else world_size
     local_rank = env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
-    local_world = env_int("LOCAL_WORLD_SIZE", world_size)
+    local_world = local_world_size or env_int("LOCAL_WORLD_SIZE", world_size)
     dev = pick_device(device, distributed=True)
     note = mps_note(dev) if rank == 0 else None
     if note:
         print(note, flush=True)
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "
-                               f"has {torch.cuda.device_count()}; start fewer processes per node")
+            raise DeviceError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "
+                              f"has {torch.cuda.device_count()}; start fewer processes per node")
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     set_threads(threads or threads_per_rank(local_world))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))  # as torchrun would (mp.spawn does not)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        raise RuntimeError("MASTER_PORT is not set: the launcher must choose one port for all "
-                           "ranks (dpt.dist.find_free_port() gives a free one)")
+        raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
+                          "ranks (dpt.dist.find_free_port() gives a free one)")
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s),
@@ -138,8 +158,24 @@ def device_mesh():
     return init_device_mesh(rank_device().type, (dist.get_world_size(),))
 
 
+def get_rank() -> int:
+    """This process's rank, or 0 outside a process group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """The number of ranks, or 1 outside a process group."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def is_main_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return get_rank() == 0
 
 
 def rank0_print(*args, **kwargs) -> None:

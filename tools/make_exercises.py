@@ -16,6 +16,12 @@ file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: comma
 student's tree run the student's code. Each lesson's ``tutorial.py`` (jupytext percent format)
 becomes ``notebooks/<lesson>.ipynb`` from its exercises version, without outputs.
 
+Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`): each lesson folder gets a
+``CHANGES.diff``, the unified diff of its main file against the previous lesson's, written in
+both trees from that tree's own files (the exercises' diff shows stubs, never a solution).
+:func:`code_lines_changed` measures a diff as the lines of code it adds plus those it removes:
+blank lines, comment-only lines (solution markers included) and docstrings do not count.
+
 Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anything is stale),
 ``--out DIR`` (write the trees under DIR instead of the repository).
 """
@@ -23,6 +29,8 @@ Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anyth
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
 import filecmp
 import json
 import re
@@ -43,8 +51,57 @@ HEADER = ("# Exercise file, generated from solutions/ by `make exercises`.\n"
           "# `make grade` scores each task.\n")
 
 
+# (lesson, main file) in the order the training script grows; CHANGES.diff goes into each
+# lesson after the first, against the one before.
+GROWTH = (("01_single_device", "single_device.py"), ("03_ddp_spawn", "ddp_spawn.py"),
+          ("04_ddp_torchrun", "ddp_torchrun.py"))
+CHANGES = "CHANGES.diff"
+
+
 class MarkerError(ValueError):
     pass
+
+
+def changes_diff(before: Path, after: Path) -> str:
+    """The unified diff of ``after`` against ``before``, named by lesson folder and file."""
+    a, b = before.read_text().splitlines(keepends=True), after.read_text().splitlines(keepends=True)
+    name = lambda p: f"{p.parent.name}/{p.name}"  # noqa: E731
+    return "".join(difflib.unified_diff(a, b, name(before), name(after), n=3))
+
+
+def _not_code(text: str) -> set[int]:
+    """1-based numbers of the lines of ``text`` that are not code: blank, comment-only, or
+    part of a docstring (module, class or function)."""
+    lines = text.splitlines()
+    skip = {i for i, line in enumerate(lines, 1) if not line.strip()
+            or line.strip().startswith("#")}
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            skip |= set(range(body[0].lineno, body[0].end_lineno + 1))
+    return skip
+
+
+def code_lines_changed(before: str, after: str) -> int:
+    """Lines of code added plus lines of code removed between two versions of a file."""
+    a, b = before.splitlines(), after.splitlines()
+    skip_a, skip_b = _not_code(before), _not_code(after)
+    changed = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        changed += sum(1 for i in range(i1, i2) if i + 1 not in skip_a)
+        changed += sum(1 for j in range(j1, j2) if j + 1 not in skip_b)
+    return changed
+
+
+def write_changes(tree: Path) -> None:
+    """Write ``CHANGES.diff`` into each lesson of ``tree`` that grows the previous one."""
+    for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
+        if (tree / l1 / f1).is_file() and (tree / l2 / f2).is_file():
+            (tree / l2 / CHANGES).write_text(changes_diff(tree / l1 / f1, tree / l2 / f2))
 
 
 def strip_solutions(text: str, where: str = "<text>") -> tuple[str, list[str]]:
@@ -120,6 +177,8 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
         old.unlink()
     tasks: dict[str, list[str]] = {}
     for path, rel in _files(solutions):
+        if rel.name == CHANGES:
+            continue  # written below from the exercise files themselves
         dest = exercises / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix != ".py":
@@ -137,6 +196,9 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
         shutil.copymode(path, dest)
         if rel.name == NOTEBOOK_SOURCE and len(rel.parts) == 2:
             (notebooks / f"{rel.parts[0]}.ipynb").write_text(notebook_json(text))
+    write_changes(exercises)
+    if solutions.resolve() == (REPO / "solutions").resolve() and out_root.resolve() == REPO:
+        write_changes(solutions)
     return tasks
 
 
@@ -155,6 +217,11 @@ def stale(out_root: Path = REPO) -> list[str]:
                 a, b = fresh / rel, committed / rel
                 if not (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)):
                     diffs.append(f"{sub}/{rel}")
+        sol = REPO / "solutions"
+        for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
+            path = sol / l2 / CHANGES
+            if not path.is_file() or path.read_text() != changes_diff(sol / l1 / f1, sol / l2 / f2):
+                diffs.append(f"solutions/{l2}/{CHANGES}")
         return diffs
 
 

@@ -2,16 +2,18 @@
 # # Lesson 01: training on one device
 #
 # Before we spread training over many devices we need a loop worth spreading. This lesson
-# builds it in `single_device.py`, and every later lesson starts from it:
+# builds it in `single_device.py`, a `Trainer` in the shape of `single_gpu.py` from PyTorch's
+# DDP tutorial series. Lessons 03 and 04 grow this same file (each has a `CHANGES.diff`):
 #
 # | task | function | what it does |
 # |---|---|---|
-# | 01.1 | `train_step` | move a batch to the device, forward, loss, backward, step |
+# | 01.1 | `Trainer._run_batch` | one optimization step on a batch |
 # | 01.2 | `evaluate` | count correct answers over *every* test sample |
-# | 01.3 | `save_checkpoint` / `load_checkpoint` | model, optimizer and epoch, written atomically |
+# | 01.3 | `save_checkpoint` / `load_checkpoint` | model, optimizer and epoch, safe from a crash mid-save |
 #
-# Run `make grade` to see which tasks pass. This notebook calls your code from
-# `exercises/01_single_device/` (the tests point it at `solutions/`).
+# Run `make grade` to see which tasks pass; `HINTS.md` in the lesson folder helps when you are
+# stuck. This notebook calls your code from `exercises/01_single_device/` (the tests point it
+# at `solutions/`).
 
 # %%
 from dpt.notebook import use_lesson
@@ -44,7 +46,7 @@ prepare("fashion-mnist")  # files already present, else Debian's package, else a
 # %% [markdown]
 # ## Two ways to feed the model
 #
-# The seeds use torchvision's dataset with a `DataLoader`: every sample is a PIL image turned
+# Most tutorials use torchvision's dataset with a `DataLoader`: every sample is a PIL image turned
 # into a tensor and normalized, one at a time. Fashion-MNIST is 47 MB as bytes, so the course
 # also keeps a *fast path*: the whole split as one normalized tensor, batched by index. Same
 # numbers, far less Python per sample. Let us time one pass of 100 batches of each.
@@ -67,9 +69,10 @@ print(f"100 batches: DataLoader {t_classic:.2f}s, tensors {t_fast:.3f}s "
 # %% [markdown]
 # ## Train
 #
-# The ConvNet is seed 003's: two blocks of convolution, batch norm, ReLU and max-pooling, then
-# a linear layer. The `Trainer` is the shape of seed 004's. We train on 400 batches here to stay
-# quick; the full epoch (`python single_device.py --epochs 1`) takes under a minute on two cores.
+# The ConvNet is the one of the tutorial *Distributed data parallel training in PyTorch*: two
+# blocks of convolution, batch norm, ReLU and max-pooling, then a linear layer. We train on 400
+# batches here to stay quick; the full epoch (`python single_device.py --epochs 1`) takes
+# under a minute on two cores.
 
 # %%
 torch.manual_seed(0)
@@ -119,7 +122,7 @@ from pathlib import Path
 with tempfile.TemporaryDirectory() as tmp:
     path = sd.save_checkpoint(Path(tmp) / "convnet.pt", model, optimizer, epoch=1)
     fresh = ConvNet()
-    epoch = sd.load_checkpoint(path, fresh)
+    epoch = sd.load_checkpoint(path, fresh)["epoch"]
     print(f"reloaded epoch {epoch}; accuracy {sd.evaluate(fresh, test, device)[0] / total:.4f}")
 
 # %% [markdown]

@@ -34,7 +34,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dpt import checkpoint as ckpt
-from dpt.data import DATASETS, DEFAULT_DATASET, DataError, check_batch_size, make_loader, prepare
+from dpt import cli
+from dpt.data import DATASETS, DEFAULT_DATASET, make_loader, prepare
 from dpt.device import DeviceError
 from dpt.models import MODELS, build_model
 
@@ -157,14 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    check_batch_size(args.batch_size)
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be at least 1, got {args.epochs}")
-    if args.limit_batches is not None and args.limit_batches < 1:
-        raise ValueError(f"--limit-batches must be at least 1, got {args.limit_batches}")
-    if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
-        raise ckpt.CheckpointError(f"cannot save checkpoint to {args.checkpoint}: folder "
-                                   f"{Path(args.checkpoint).parent} does not exist")
+    cli.validate(args)  # the checks every training lesson shares (batch size, epochs, paths)
     ids = parse_ids(args.device_ids)
     print(explain_devices(ids))
     prepare(args.dataset)
@@ -201,13 +195,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, DataError, DeviceError, ckpt.CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return cli.main(run, build_parser(), argv)
 
 
 if __name__ == "__main__":

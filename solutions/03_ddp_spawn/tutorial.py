@@ -4,53 +4,53 @@
 # Lesson 01 trained one model in one process. Data parallelism runs one process per device,
 # each with a full copy of the model and its own slice of every epoch. During `backward()`
 # DDP averages the gradients of all processes, so every copy takes the same step and stays
-# identical. You write the pieces in `ddp_spawn.py`:
+# identical. `ddp_spawn.py` is lesson 01's `single_device.py` plus what that takes: read
+# `CHANGES.diff` in the lesson folder first, it is the lesson in one page. You write:
 #
-# | task | function | what it does |
+# | task | where | what it does |
 # |---|---|---|
-# | 03.1 | `ddp_setup` / `ddp_teardown` | backend from the device, MASTER_ADDR/PORT, one device and a share of the CPU threads per process; leave the group even on errors |
-# | 03.2 | `global_rank` / `check_launch` | seed 003's `rank = nr * gpus + local_rank`, and refusing launches that cannot work |
-# | 03.3 | `make_train_loader` / `train_epoch` | `DistributedSampler` shards, `set_epoch` every epoch |
-# | 03.4 | `wrap_model` / `save_checkpoint` | the DDP wrap; rank 0 alone saves `model.module.state_dict()` |
-# | 03.5 | `evaluate_distributed` | every rank counts its shard, counts are all-reduced, padding dropped |
+# | 03.1 | `ddp_setup` | who this process is in the whole job (`-n` machines, `-g` processes each, machine `-nr`), then join the group |
+# | 03.2 | `prepare_dataloader` | each rank's own share of the data, shuffled alike on every rank |
+# | 03.3 | `Trainer._run_epoch` | a new order every epoch, the same on every rank |
+# | 03.4 | `Trainer._save_checkpoint` | one writer, the plain model inside DDP, everybody waits for the file |
+# | 03.5 | `evaluate` | the accuracy of the whole test set, every sample counted once |
 #
-# **Why this notebook does not call `mp.spawn` itself.** `mp.spawn` starts fresh Python
+# Blocks marked "copy your answer from lesson 01" are lesson 01's tasks again: paste your code.
+#
+# **Why this notebook starts the script in a subprocess.** `mp.spawn` starts fresh Python
 # processes and sends them the function to run by *pickling* it, i.e. by module and name. A
 # function typed into a notebook lives in `__main__` of the kernel, which a fresh process cannot
-# import, so spawn fails. We therefore keep every rank function in a file (`ddp_spawn.py`) and
-# start the ranks with `dpt.testing.run_distributed`, which imports that file in each new
-# process (the script itself uses `mp.spawn`, see the end).
+# import. So the training lives in `ddp_spawn.py`, and we run it as you would in a terminal.
 
 # %%
 from dpt.notebook import use_lesson
 
-use_lesson("03_ddp_spawn")
+folder = use_lesson("03_ddp_spawn")
 
-import matplotlib.pyplot as plt
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 from torch.utils.data import DistributedSampler
 
-import ddp_spawn
-from dpt.data import prepare
-from dpt.testing import run_distributed
+from dpt.data import load_tensors, prepare
+from dpt.models import ConvNet
 
 prepare("fashion-mnist")
 
 # %% [markdown]
-# ## Who is who: nodes, processes, ranks
+# ## Who is who: machines, processes, ranks
 #
-# Seed 003 runs the same command on every machine: `-n` machines, `-g` processes on each, and
-# `-nr` says which machine this is. Process `local_rank` of machine `nr` is global rank
-# `nr * gpus + local_rank`: machine 0 holds ranks 0..g-1, machine 1 the next g, and so on.
-
-# %%
-nodes, gpus = 2, 3
-for nr in range(nodes):
-    print(f"node {nr}: local ranks {list(range(gpus))} -> global ranks "
-          f"{[ddp_spawn.global_rank(nr, gpus, lr) for lr in range(gpus)]}")
-print("world size:", ddp_spawn.check_launch(nodes, gpus, 0, "cpu"))
-
-# %% [markdown]
+# The tutorial *Distributed data parallel training in PyTorch* runs the same command on every
+# machine: `-n` machines, `-g` processes on each, and `-nr` says which machine this is. The
+# ranks are numbered machine after machine: machine 0 holds ranks 0..g-1, machine 1 the next
+# g, and so on, and there are `n * g` in all. `ddp_setup` (03.1) works out its own rank from
+# that, and `dpt.dist.setup` joins the group: it picks the backend from the device (NCCL for
+# GPUs, gloo for the CPU), pins process `local_rank` of a machine to its GPU `local_rank`, and
+# splits the CPU cores among the processes of the machine.
+#
 # ## Sharding, and the padding trap
 #
 # `DistributedSampler` gives rank `r` every `world_size`-th index of a (shuffled) list. When
@@ -65,44 +65,60 @@ for rank in range(2):
     print(f"rank {rank} evaluates samples {list(s)}")
 
 # %% [markdown]
-# Sample 0 appears on both ranks: 6 samples counted instead of 5. `evaluate_distributed` knows
-# where each index sits in the padded list (`rank`, `rank + world_size`, ...): positions past
-# the dataset's length are repeats, and it drops them. Then each rank's `(correct, total)` is
-# all-reduced, so every rank reports the accuracy of the *whole* test set, exactly once.
+# Sample 0 appears on both ranks: 6 samples counted instead of 5. Your `evaluate` (03.5) must
+# count each sample once, and then add up the ranks' counts, so that every rank reports the
+# accuracy of the *whole* test set.
+#
+# For training, the sampler shuffles one permutation (the same `seed + epoch` on every rank)
+# and deals it out. Here are 11 samples on 3 ranks over two epochs: each epoch every sample
+# goes to one rank (the padded repeat, ringed, makes 12), and `set_epoch` deals a new order.
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 2.4), sharey=True)
+for epoch, ax in enumerate(axes):
+    for rank in range(3):
+        s = DistributedSampler(range(11), num_replicas=3, rank=rank, shuffle=True, seed=0)
+        s.set_epoch(epoch)
+        order = list(s)
+        ax.scatter(order, [rank] * len(order), s=80, label=f"rank {rank}")
+        repeats = order[len(range(rank, 11, 3)):]  # positions past the data: padding
+        ax.scatter(repeats, [rank] * len(repeats), s=260, facecolors="none", edgecolors="k")
+    ax.set(title=f"epoch {epoch}", xlabel="sample", xticks=range(11), yticks=range(3))
+axes[0].set_ylabel("rank")
+plt.tight_layout()
+plt.show()
 #
 # ## Train on two ranks
 #
-# `run_training` is what each process runs: `ddp_setup`, data, the same seed on every rank,
-# `wrap_model` (DDP also broadcasts rank 0's weights), the epochs with `set_epoch`, rank 0's
-# checkpoint, the all-reduced evaluation, and `ddp_teardown` in a `finally`. We run it on a
-# quarter of Fashion-MNIST to stay quick.
+# The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`
+# wrapped in DDP on its half of every epoch, and rank 0 saves a checkpoint after each epoch.
+# We train on a fifth of Fashion-MNIST and test on 2001 samples (odd, so one rank's share is
+# padded) to stay quick.
 
 # %%
-args = ddp_spawn.build_parser().parse_args(
-    ["-g", "2", "--device", "cpu", "--epochs", "1", "--train-limit", "12000",
-     "--test-limit", "2001", "--no-progress", "--timeout", "60"])
-results = run_distributed(ddp_spawn.run_training, 2, args=(args,), backend=None,
-                          timeout=150)
-r0, r1 = results
-print(f"accuracy on all {r0['total']} test samples: {r0['accuracy']:.4f} "
-      f"(rank 1 reports {r1['accuracy']:.4f}); training took {r0['seconds']:.1f}s")
-same = all(torch.equal(r0["state"][k], r1["state"][k]) for k in r0["state"])
-print("both ranks end with identical weights:", same)
+work = Path(tempfile.mkdtemp(prefix="l03-"))
+cmd = [sys.executable, str(folder / "ddp_spawn.py"), "-g", "2", "--device", "cpu",
+       "--epochs", "2", "--train-limit", "12000", "--test-limit", "2001", "--no-progress",
+       "--timeout", "120", "--checkpoint", str(work / "ck.pt")]
+run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+print(run.stdout[-2000:], run.stderr[-2000:])
 
 # %% [markdown]
-# The two ranks trained on different halves of the data, so their losses differ step by step,
-# yet their weights are identical: every step used the average of both gradients.
+# Now check the claim of 03.4 and 03.5 from the outside: the checkpoint loads into a plain
+# `ConvNet` (no `module.` prefix), and evaluated in this one process on the same 2001 samples
+# it gives exactly the count the two ranks reported together.
 
 # %%
-plt.figure(figsize=(7, 3.5))
-for r in results:
-    plt.plot(r["history"], label=f"rank {r['rank']}", alpha=0.8)
-plt.xlabel("step")
-plt.ylabel("training loss (own shard)")
-plt.title("DDP on 2 ranks: different data, same model")
-plt.legend()
-plt.tight_layout()
-plt.show()
+state = torch.load(work / "ck.pt", weights_only=True)
+model = ConvNet()
+model.load_state_dict(state["model"])
+model.eval()
+x, y = load_tensors("fashion-mnist", train=False, limit=2001)
+with torch.no_grad():
+    correct = int((model(x).argmax(1) == y).sum())
+print(f"epoch {state['epoch']} checkpoint, evaluated here: {correct}/2001")
 
 # %% [markdown]
 # ## Effective batch size
@@ -113,16 +129,15 @@ plt.show()
 # steps; if you scale out, consider scaling the learning rate, or keep the global batch fixed
 # by shrinking B.
 #
-# ## The script, and two "nodes" on one machine
+# ## Two "nodes" on one machine
 #
-# From the repository root, `python solutions/03_ddp_spawn/ddp_spawn.py -g 2` starts two
-# processes with `mp.spawn`. To rehearse a multi-node job on one machine, open two terminals
-# and give both the same port (each "node" has 1 process; `--threads 1` because both share
-# the cores):
+# To rehearse a multi-node job on one machine, open two terminals and give both the same port
+# (each "node" has 1 process; `--threads 1` because both share the cores; on a machine with
+# two GPUs, `CUDA_VISIBLE_DEVICES` gives each "node" its own):
 #
 # ```
-# python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533 --threads 1
-# python solutions/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533 --threads 1
+# CUDA_VISIBLE_DEVICES=0 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 --master-port 29533 --threads 1
+# CUDA_VISIBLE_DEVICES=1 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 --master-port 29533 --threads 1
 # ```
 #
 # Node 0 waits until node 1 joins, then both train together; only global rank 0 prints.

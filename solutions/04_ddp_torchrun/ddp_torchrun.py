@@ -1,34 +1,31 @@
-"""Lesson 04: DDP launched by torchrun, with snapshots that survive a worker dying.
+"""Lesson 04: lesson 03's training launched by torchrun, with snapshots that survive a crash.
 
-Lesson 03 started its ranks itself (``mp.spawn``) and passed each one its rank. Here the
-launcher does that job: ``torchrun`` starts one process per device, and tells each one who it
-is through environment variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``). The script parses no ``--local_rank``.
+Lesson 03 started its processes itself (``mp.spawn``) and worked out each one's rank. Here the
+launcher does that: ``torchrun`` starts one process per device and tells each who it is in
+environment variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``). When a worker dies, torchrun (with
+``--max-restarts``) stops the others and starts them all again. A restarted process has lost
+everything in memory, so it resumes from a *snapshot* on disk: model, optimizer, epochs
+finished, every rank's random-number state and the sampler's seed. With those, the resumed run
+computes the same weights as a run that never failed. This file is lesson 03's ``ddp_spawn.py``
+plus what that takes (``CHANGES.diff``), as ``multigpu_torchrun.py`` grows from
+``multigpu.py`` in PyTorch's DDP tutorial series.
 
-When a worker dies, torchrun (with ``--max-restarts=K``) stops the others and starts the whole
-group again. A restarted process has lost everything in memory, so it resumes from a
-*snapshot* on disk: model, optimizer, the number of finished epochs, the random-number state of
-every rank and the sampler's seed. With those, the resumed run computes the same weights as a
-run that never failed.
+Run it, from the repository root, on your own tree (``torchrun`` is
+``python -m torch.distributed.run``)::
 
-Run it (from the repository root; ``torchrun`` is ``python -m torch.distributed.run``)::
-
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # needed for restarts with gloo on torch 2.14
-    torchrun --standalone --nproc-per-node=2 solutions/04_ddp_torchrun/ddp_torchrun.py \\
-        --epochs 2 --snapshot runs/l04/snapshot.pt
-    # a worker dies mid-epoch on the first attempt; torchrun restarts; training resumes:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarts with gloo on torch 2.14 need it
     torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
-        solutions/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt \\
-        --fail-at 1:5 --fail-rank 1
+        exercises/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt
+    # stop it (or kill one worker) mid-run, run the same command again: it resumes.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -40,398 +37,260 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from dpt import checkpoint as ckpt
-from dpt.data import DATASETS, DEFAULT_DATASET, DataError, TensorLoader, check_batch_size
-from dpt.device import DEVICE_CHOICES, DeviceError
-from dpt.dist import cleanup, setup
-from dpt.models import MODELS, build_model
-
-SNAPSHOT_VERSION = 1
-FAULT_EXIT_CODE = 13  # what an injected fault exits with, so logs can tell it from a bug
-
-
-class LaunchError(RuntimeError):
-    """The script was started the wrong way (not by torchrun, or with old launcher flags)."""
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    rank: int  # global rank: 0 .. world_size-1 across every node
-    local_rank: int  # rank on this machine: which GPU to use
-    world_size: int  # processes in the whole job
-    local_world_size: int  # processes on this machine (for CPU threads per rank)
-    restart_count: int  # 0 on the first attempt, then 1, 2, ... after each elastic restart
+from dpt import cli
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.dist import LaunchError, TorchrunEnv, barrier, get_rank, get_world_size, rank0_print, setup
+from dpt.models import build_model
 
 
 def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
-    """Read who this process is from the variables torchrun sets.
+    """Who this process is, from the variables torchrun sets (``os.environ`` by default).
 
-    ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` are required: without them, raise
-    :class:`LaunchError` saying to launch with torchrun. ``LOCAL_WORLD_SIZE`` defaults to
-    ``WORLD_SIZE`` and ``TORCHELASTIC_RESTART_COUNT`` to 0. A rank outside
-    ``0..WORLD_SIZE-1`` (or a local rank outside ``0..LOCAL_WORLD_SIZE-1``) is a LaunchError.
+    ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` are required; ``LOCAL_WORLD_SIZE`` defaults to
+    ``WORLD_SIZE`` and ``TORCHELASTIC_RESTART_COUNT`` to 0. A missing variable, or a rank
+    outside its world, raises ``LaunchError`` with a message that says how to launch.
     """
     env = os.environ if environ is None else environ
-    # BEGIN SOLUTION 04.1: read RANK, LOCAL_RANK, WORLD_SIZE (required: LaunchError naming torchrun if missing), LOCAL_WORLD_SIZE (default WORLD_SIZE), TORCHELASTIC_RESTART_COUNT (default 0); check the ranks are in range; return a TorchrunEnv
+    # BEGIN SOLUTION 04.1: read and check torchrun's variables
     missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k not in env]
     if missing:
-        raise LaunchError(f"{', '.join(missing)} not set: start this script with torchrun, e.g. "
-                          "`torchrun --standalone --nproc-per-node=2 ddp_torchrun.py`")
-    try:
-        rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
-        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-    except ValueError as exc:
-        raise LaunchError(f"torchrun variables must be integers: {exc}") from None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise LaunchError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
-    if not 0 <= local_rank < local_world:
-        raise LaunchError(f"LOCAL_RANK={local_rank} is not in 0..LOCAL_WORLD_SIZE-1 "
-                          f"(LOCAL_WORLD_SIZE={local_world})")
-    return TorchrunEnv(rank, local_rank, world_size, local_world, restarts)
+        raise LaunchError(f"{', '.join(missing)} not set: start this script with torchrun")
+    rank, local_rank, world_size = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size):
+        raise LaunchError(f"RANK {rank} or LOCAL_RANK {local_rank} out of range (torchrun?)")
+    return TorchrunEnv(rank, local_rank, world_size, local_world_size,
+                       int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
     # END SOLUTION
 
 
-def make_train_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int,
-                      world_size: int, seed: int = 0) -> TensorLoader:
-    """This rank's share of the training set: a ``TensorLoader`` over ``(x, y)`` whose sampler
-    is a shuffling ``DistributedSampler`` for ``rank`` of ``world_size``, seeded with ``seed``
-    (the same seed on every rank, so they agree on one permutation and take disjoint parts)."""
-    # BEGIN SOLUTION 04.2: build DistributedSampler(range(len(x)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed) and return TensorLoader(x, y, batch_size=..., sampler=it)
-    sampler = DistributedSampler(range(len(x)), num_replicas=world_size, rank=rank,
-                                 shuffle=True, seed=seed)
+def ddp_setup(args) -> tuple[int, int, torch.device]:
+    """Join the job as the process torchrun says this is: ``(rank, world_size, device)``."""
+    env = torchrun_env()
+    device = setup(env.rank, env.world_size, env.local_rank, args.device, timeout_s=args.timeout,
+                   threads=args.threads, local_world_size=env.local_world_size)
+    return env.rank, env.world_size, device
+
+
+def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                       shuffle: bool = True, seed: int = 0) -> TensorLoader:
+    """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
+    every sample. With ``shuffle``, the order is random, the same ``seed`` on every rank."""
+    # BEGIN SOLUTION 03.2: copy your answer from lesson 03
+    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)
     return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)
     # END SOLUTION
 
 
-# ------------------------------------------------------------------------------- snapshots
-#
-# The snapshot is one dict, written by rank 0 and read by every rank:
-#   "version":  SNAPSHOT_VERSION
-#   "model":    the unwrapped model's state_dict (no "module." prefix: loads into a plain model)
-#   "optimizer": optimizer.state_dict() (momentum buffers: without them the resume differs)
-#   "epoch":    epochs finished; training resumes at this epoch
-#   "world_size": how many ranks wrote it
-#   "rng":      one entry per rank: {"torch": CPU generator state, "cuda": state or None}
-#   "sampler":  {"seed": the DistributedSampler's seed}; its epoch is "epoch"
-
-
-def _rng_state(device: torch.device) -> dict:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def save_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  epoch: int, sampler_seed: int, device: torch.device | str = "cpu") -> None:
-    """Collective: every rank calls it; rank 0 alone writes ``path`` atomically.
-
-    Every rank's RNG state is gathered to rank 0 (``dist.all_gather_object``) so each rank can
-    get its own back on resume. The file holds the keys listed above; the model's state has no
-    ``module.`` prefix. All ranks wait (barrier) until the file is in place. Works without a
-    process group too (one process, rank 0).
-    """
-    device = torch.device(device)
-    # BEGIN SOLUTION 04.3: gather every rank's _rng_state(device) (all_gather_object when a group is up), then on rank 0 only: build the dict (model unwrapped from .module) and dpt.checkpoint.atomic_save it; finally barrier
-    distributed = dist.is_available() and dist.is_initialized()
-    world_size = dist.get_world_size() if distributed else 1
-    rngs = [None] * world_size
-    if distributed:
-        dist.all_gather_object(rngs, _rng_state(device))
-    else:
-        rngs[0] = _rng_state(device)
-    if not distributed or dist.get_rank() == 0:
-        state = {
-            "version": SNAPSHOT_VERSION,
-            "model": getattr(model, "module", model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "epoch": int(epoch),
-            "world_size": world_size,
-            "rng": rngs,
-            "sampler": {"seed": int(sampler_seed)},
-        }
-        ckpt.atomic_save(state, path)
-    if distributed:
-        dist.barrier()
-    # END SOLUTION
-
-
-def load_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                  device: torch.device | str = "cpu") -> dict:
-    """Every rank reads ``path`` (``dpt.checkpoint.load``, CheckpointError when broken) into
-    ``model`` (unwrapped if it is DDP) and ``optimizer``, and restores its own RNG state (entry
-    ``rank`` of ``"rng"``) when the snapshot was written by the same world size.
-
-    Returns ``{"epoch": epochs finished, "sampler_seed": seed, "exact": bool}``; ``exact`` is
-    False when the world size changed (the run resumes, but not bit for bit).
-    """
-    device = torch.device(device)
-    # BEGIN SOLUTION 04.4: state = dpt.checkpoint.load(path, map_location=device); load "model" into the unwrapped model and "optimizer"; if world_size matches, torch.set_rng_state(state["rng"][rank]["torch"]) (and cuda); return the dict described above
-    state = ckpt.load(path, map_location=device)
-    missing = {"model", "optimizer", "epoch", "rng", "sampler", "world_size"} - set(state)
-    if not isinstance(state, dict) or missing:
-        raise ckpt.CheckpointError(f"snapshot {path} lacks {sorted(missing)}: not a lesson-04 "
-                                   "snapshot")
-    getattr(model, "module", model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
-    exact = state["world_size"] == world_size
-    if exact:
-        rng = state["rng"][rank]
-        torch.set_rng_state(rng["torch"].cpu())
-        if rng.get("cuda") is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
-    return {"epoch": int(state["epoch"]), "sampler_seed": int(state["sampler"]["seed"]),
-            "exact": exact}
-    # END SOLUTION
-
-
-# --------------------------------------------------------------------------------- trainer
-
-
-@dataclass
-class Fault:
-    """Make ``rank`` die at batch ``batch`` of epoch ``epoch``, on the first attempt only."""
-    epoch: int
-    batch: int
-    rank: int = 1
-
-    @classmethod
-    def parse(cls, text: str | None, rank: int = 1) -> Fault | None:
-        if not text:
-            return None
-        try:
-            epoch, batch = (int(v) for v in text.split(":"))
-        except ValueError:
-            raise ValueError(f"--fail-at wants EPOCH:BATCH (e.g. 1:5), got {text!r}") from None
-        if epoch < 0 or batch < 0:
-            raise ValueError(f"--fail-at needs non-negative numbers, got {text!r}")
-        return cls(epoch, batch, rank)
-
-    def maybe_fire(self, rank: int, restart_count: int, epoch: int, batch: int) -> None:
-        if restart_count == 0 and rank == self.rank and (epoch, batch) == (self.epoch, self.batch):
-            print(f"[rank {rank}] injected fault: exiting at epoch {epoch} batch {batch} "
-                  f"(attempt {restart_count})", file=sys.stderr, flush=True)
-            os._exit(FAULT_EXIT_CODE)  # a crash: no cleanup, no goodbye to the other ranks
-
-
 class Trainer:
-    """Seed 004's ``Trainer`` for torchrun, in the spirit of pytorch/examples minGPT-ddp.
+    """Lesson 03's Trainer, with snapshots: it resumes from ``snapshot_path`` if there is one."""
 
-    It wraps the model in DDP, and on start loads ``snapshot_path`` if it exists, on every
-    rank, *before* wrapping (DDP then broadcasts rank 0's copy, which is the same anyway).
-    """
-
-    def __init__(self, model: nn.Module, train_data: TensorLoader,
-                 optimizer: torch.optim.Optimizer, device: torch.device, save_every: int = 1,
-                 snapshot_path: str | Path | None = None, fault: Fault | None = None,
-                 restart_count: int = 0, progress: bool = False, sampler_seed: int = 0):
+    def __init__(self, model: nn.Module, train_data, optimizer: torch.optim.Optimizer,
+                 device: torch.device, save_every: int = 1,
+                 snapshot_path: str | Path | None = None, progress: bool = False):
         self.device = device
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
         self.save_every = save_every
-        self.snapshot_path = Path(snapshot_path) if snapshot_path else None
-        self.fault = fault
-        self.restart_count = restart_count
-        self.progress = progress and self.rank == 0
-        self.sampler_seed = sampler_seed
-        self.epochs_run = 0
-        self.resumed: dict | None = None
-        self.history: list[float] = []
-        if self.snapshot_path is not None and self.snapshot_path.exists():
-            self.resumed = load_snapshot(self.snapshot_path, self.model, self.optimizer, device)
-            self.epochs_run = self.resumed["epoch"]
-            self.sampler_seed = self.resumed["sampler_seed"]
-            sampler = getattr(self.train_data, "sampler", None)
-            if hasattr(sampler, "seed"):
-                sampler.seed = self.sampler_seed  # the snapshot's data order wins
-        self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.snapshot_path = snapshot_path
+        self.progress = progress
+        self.epochs_run = 0  # epochs finished: train() continues from here
+        self.history: list[float] = []  # the loss of every step, for the loss curve
+        if snapshot_path and os.path.exists(snapshot_path):
+            # BEGIN SOLUTION 04.5: resume where the snapshot left off
+            info = load_snapshot(snapshot_path, self.model, self.optimizer, device)
+            self.epochs_run = info["epoch"]
+            self.train_data.sampler.seed = info["sampler_seed"]
+            rank0_print(f"resumed from snapshot {snapshot_path} at epoch {self.epochs_run}")
+            # END SOLUTION
+        # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def save(self, epochs_done: int) -> None:
-        save_snapshot(self.snapshot_path, self.ddp, self.optimizer, epochs_done,
-                      self.sampler_seed, self.device)
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimization step on one batch (already on the device); returns its loss."""
+        # BEGIN SOLUTION 01.1: copy your answer from lesson 01
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+        # END SOLUTION
 
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
-        self.ddp.train()
-        total = len(self.train_data)
-        if limit_batches is not None:
-            total = min(total, limit_batches)
-        bar = tqdm(self.train_data, total=total, desc=f"epoch {epoch}",
-                   disable=not self.progress, leave=False)
+        """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
+        steps = len(self.train_data) if limit_batches is None else limit_batches
+        steps = min(steps, len(self.train_data))
+        # BEGIN SOLUTION 03.3: copy your answer from lesson 03
+        self.train_data.sampler.set_epoch(epoch)
+        # END SOLUTION
+        self.model.train()
         losses = []
-        for i, (inputs, targets) in enumerate(bar):
-            if i >= total:
-                break
-            if self.fault is not None:
-                self.fault.maybe_fire(self.rank, self.restart_count, epoch, i)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.ddp(inputs), targets)
-            loss.backward()  # DDP all-reduces (averages) the gradients here
-            self.optimizer.step()
-            losses.append(loss.item())
-        bar.close()
+        for source, targets in tqdm(islice(self.train_data, steps), total=steps, leave=False,
+                                    desc=f"epoch {epoch}", disable=not self.progress):
+            source, targets = source.to(self.device), targets.to(self.device)
+            losses.append(self._run_batch(source, targets))
         self.history.extend(losses)
         return sum(losses) / max(1, len(losses))
 
-    def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
-        """Run epochs ``epochs_run .. max_epochs-1``. Before each, tell the sampler the epoch
-        (a new shuffle every epoch, the same on every rank); after each, when
-        ``snapshot_path`` is set and ``save_every`` divides the epochs done, call
-        ``self.save(epochs_done)``. Returns each epoch's mean loss."""
-        losses = []
-        # BEGIN SOLUTION 04.5: for epoch in range(self.epochs_run, max_epochs): self.train_data.sampler.set_epoch(epoch); run the epoch; update self.epochs_run; save every save_every epochs (when snapshot_path is set)
-        for epoch in range(self.epochs_run, max_epochs):
-            self.train_data.sampler.set_epoch(epoch)
-            losses.append(self._run_epoch(epoch, limit_batches))
-            self.epochs_run = epoch + 1
-            if (self.snapshot_path is not None and self.save_every
-                    and self.epochs_run % self.save_every == 0):
-                self.save(self.epochs_run)
+    def _save_snapshot(self, epoch: int) -> None:
+        """Collective: every rank calls it; rank 0 alone writes the snapshot (the format is
+        below), as lesson 01's checkpoint is written. Nobody goes on before it is complete."""
+        # BEGIN SOLUTION 04.3: everything a restarted job needs, written once
+        rngs = gather_rng_states(self.device)
+        if get_rank() == 0:
+            save_checkpoint(self.snapshot_path, self.model, self.optimizer, epoch, rng=rngs,
+                            world_size=len(rngs), sampler={"seed": self.train_data.sampler.seed})
+        barrier()
         # END SOLUTION
+
+    def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
+        """Run epochs ``epochs_run .. max_epochs-1``; returns each epoch's mean loss."""
+        losses = []
+        for epoch in range(self.epochs_run, max_epochs):
+            losses.append(self._run_epoch(epoch, limit_batches))
+            rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")
+            self.epochs_run = epoch + 1
+            if self.snapshot_path and self.epochs_run % self.save_every == 0:
+                self._save_snapshot(self.epochs_run)
         return losses
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-             batch_size: int = 1000) -> tuple[int, int]:
-    """Whole-test-set accuracy counts: rank r scores samples r, r+N, r+2N, ... (no sample twice,
-    none left out), then the counts are summed over the ranks."""
-    model = getattr(model, "module", model)
+def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
+    """``(correct, total)`` over the WHOLE dataset, the same on every rank, as ints.
+
+    ``loader`` holds this rank's share (a ``DistributedSampler`` without shuffling), which
+    repeats a few samples when the dataset does not divide evenly: each sample counts once.
+    The model predicts in eval mode and is left in the mode it was in.
+    """
+    # BEGIN SOLUTION 03.5: copy your answer from lesson 03
     was_training = model.training
     model.eval()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    xs, ys = x[rank::world], y[rank::world]
-    counts = torch.zeros(2, dtype=torch.long, device=device)
-    for start in range(0, len(xs), batch_size):
-        inputs, targets = xs[start:start + batch_size].to(device), ys[start:start + batch_size].to(device)
-        counts[0] += (model(inputs).argmax(1) == targets).sum()
-        counts[1] += targets.numel()
-    if dist.is_initialized():
-        dist.all_reduce(counts)
+    sampler = loader.sampler  # positions rank, rank + N, ... of a list padded past the data
+    real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+    correct = total = 0
+    for inputs, targets in loader:
+        keep = min(len(targets), real - total)  # the rest of this share is padding
+        inputs, targets = inputs[:keep].to(device), targets[:keep].to(device)
+        correct += int((model(inputs).argmax(dim=1) == targets).sum())
+        total += len(targets)
     model.train(was_training)
+    counts = torch.tensor([correct, total], device=device)
+    dist.all_reduce(counts)
     return int(counts[0]), int(counts[1])
+    # END SOLUTION
 
 
-# ------------------------------------------------------------------------------------ CLI
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    epoch: int, **extra) -> Path:
+    """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
+
+    A crash in the middle of a save must never leave a broken file at ``path``, and the
+    model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
+    """
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
+    state = {"model": getattr(model, "module", model).state_dict(),
+             "optimizer": optimizer.state_dict(), "epoch": epoch, **extra}
+    return ckpt.atomic_save(state, path)
+    # END SOLUTION
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Lesson 04: DDP under torchrun, with snapshots and elastic restarts. "
-                    "Launch with: torchrun --standalone --nproc-per-node=2 ddp_torchrun.py")
-    p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS))
-    p.add_argument("--model", default="convnet", choices=sorted(MODELS))
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-    p.add_argument("--snapshot", default=None,
-                   help="snapshot file: loaded on start if present, written every --save-every")
-    p.add_argument("--save-every", type=int, default=1, help="epochs between snapshots")
-    p.add_argument("--limit-batches", type=int, default=None, help="batches per epoch at most")
-    p.add_argument("--train-limit", type=int, default=None, help="use the first N train samples")
-    p.add_argument("--test-limit", type=int, default=None, help="use the first N test samples")
-    p.add_argument("--fail-at", default=None, metavar="EPOCH:BATCH",
-                   help="fault injection: --fail-rank dies here, on the first attempt only "
-                        "(TORCHELASTIC_RESTART_COUNT=0)")
-    p.add_argument("--fail-rank", type=int, default=1)
-    p.add_argument("--out", default=None, help="rank 0 saves the final weights here")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    device: torch.device | str = "cpu") -> dict:
+    """Load what :func:`save_checkpoint` wrote into ``model`` (and ``optimizer``), tensors
+    onto ``device``; return the whole dict (``["epoch"]`` is where training resumes).
+
+    A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
+    """
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
+    state = ckpt.load(path, map_location=device)
+    getattr(model, "module", model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+    # END SOLUTION
+
+
+# A snapshot is lesson 01's checkpoint ("model", "optimizer", "epoch": epochs finished) plus
+#   "world_size": ranks that wrote it, "sampler": {"seed": the DistributedSampler's seed},
+#   "rng": one entry per rank, {"torch": CPU generator state, "cuda": its GPU's state or None}
+
+
+def gather_rng_states(device: torch.device) -> list[dict]:
+    """Every rank's random-number state, in rank order, on every rank (collective; without a
+    process group, a list of one). Reading the states draws no random number."""
+    # BEGIN SOLUTION 04.2: each rank's generator states, gathered from every rank
+    state = {"torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    states = [state] * get_world_size()
+    if get_world_size() > 1:
+        dist.all_gather_object(states, state)
+    return states
+    # END SOLUTION
+
+
+def load_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  device: torch.device) -> dict:
+    """Load ``path`` into ``model`` (already on ``device``) and ``optimizer``, and restore
+    this rank's own random-number state when the world size is the one that wrote it.
+
+    Returns ``{"epoch", "sampler_seed", "exact"}``; ``exact`` is False when the world size
+    changed (the run resumes, but not bit for bit). A broken file is a ``CheckpointError``.
+    """
+    # BEGIN SOLUTION 04.4: model, optimizer and this rank's random-number state back
+    state = load_checkpoint(path, model, optimizer, device)
+    exact = state["world_size"] == get_world_size()
+    if exact:
+        rng = state["rng"][get_rank()]
+        torch.set_rng_state(rng["torch"].cpu())
+        if rng["cuda"] is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    return {"epoch": state["epoch"], "sampler_seed": state["sampler"]["seed"], "exact": exact}
+    # END SOLUTION
+
+
+def run(args) -> dict:
+    """What each process of the job does (torchrun starts it), from joining to leaving."""
+    rank, world_size, device = ddp_setup(args)
+    try:
+        return train_and_evaluate(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_and_evaluate(args, device: torch.device) -> dict:
+    """Data, model, training (resumed from the snapshot), test accuracy: on every rank."""
+    cli.deterministic(args.deterministic)
+    prepare_distributed(args.dataset)
+    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = Trainer(model, train_data, optimizer, device, save_every=args.save_every,
+                      snapshot_path=args.snapshot, progress=args.progress)
+    rank0_print(f"training {args.model} on {args.dataset}: world size "
+                f"{dist.get_world_size()}, backend {dist.get_backend()}, {device}, "
+                f"{torch.get_num_threads()} thread(s) and batch {args.batch_size} per rank")
+    start = time.perf_counter()
+    losses = trainer.train(args.epochs, args.limit_batches)
+    seconds = time.perf_counter() - start
+    correct, total = evaluate(trainer.model, test_data, device)
+    if losses:
+        rank0_print(f"train loss {losses[-1]:.4f} | {seconds:.1f}s")
+    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+
+
+def build_parser():
+    p = cli.parser("Lesson 04: DDP under torchrun, with snapshots.", per_rank=True, epochs=2)
+    p.add_argument("--snapshot", default=None, help="resume from it if present; save to it")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = sys.argv[1:] if argv is None else argv
-    old = [a for a in argv if a.split("=")[0] in ("--local_rank", "--local-rank")]
-    if old:
-        raise LaunchError(
-            f"{old[0].split('=')[0]} is the old torch.distributed.launch argument; this script "
-            "reads LOCAL_RANK from the environment: launch it with torchrun (or "
-            "`python -m torch.distributed.launch --use-env`)")
-    return build_parser().parse_args(argv)
-
-
-def validate(args: argparse.Namespace, env: TorchrunEnv) -> None:
-    check_batch_size(args.batch_size)
-    for name in ("epochs", "save_every"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("limit_batches", "train_limit", "test_limit", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.fail_at and not 0 <= args.fail_rank < env.world_size:
-        raise ValueError(f"--fail-rank {args.fail_rank} is not a rank of this job "
-                         f"(0..{env.world_size - 1})")
-    if args.snapshot and not Path(args.snapshot).parent.is_dir():
-        raise ckpt.CheckpointError(f"cannot write snapshot {args.snapshot}: folder "
-                                   f"{Path(args.snapshot).parent} does not exist")
-
-
-def run(args: argparse.Namespace, env: TorchrunEnv) -> dict:
-    from dpt.data import load_tensors, prepare_distributed
-
-    validate(args, env)
-    fault = Fault.parse(args.fail_at, args.fail_rank)
-    try:
-        device = setup(env.rank, env.world_size, env.local_rank, args.device,
-                       timeout_s=args.timeout, threads=args.threads)
-    except DeviceError:
-        raise
-    except RuntimeError as exc:  # too few GPUs, no MASTER_PORT, rendezvous timed out
-        raise LaunchError(str(exc).splitlines()[0]) from None
-    try:
-        say = print if env.rank == 0 else (lambda *a, **k: None)
-        say(f"attempt {env.restart_count}: rank 0 of {env.world_size} on {device}, "
-            f"{torch.get_num_threads()} thread(s) per rank, batch {args.batch_size} per rank = "
-            f"{args.batch_size * env.world_size} per step", flush=True)
-        prepare_distributed(args.dataset)
-        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-        loader = make_train_loader(x, y, args.batch_size, env.rank, env.world_size, args.seed)
-        torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts anyway)
-        model = build_model(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        trainer = Trainer(model, loader, optimizer, device, save_every=args.save_every,
-                          snapshot_path=args.snapshot, fault=fault,
-                          restart_count=env.restart_count, progress=not args.no_progress,
-                          sampler_seed=args.seed)
-        if trainer.resumed is not None:
-            exact = "" if trainer.resumed["exact"] else " (world size changed: not bit-exact)"
-            say(f"resumed from snapshot {args.snapshot} at epoch {trainer.epochs_run}{exact}",
-                flush=True)
-        start = time.perf_counter()
-        losses = trainer.train(args.epochs, args.limit_batches)
-        seconds = time.perf_counter() - start
-        for epoch, loss in zip(range(args.epochs - len(losses), args.epochs), losses):
-            say(f"epoch {epoch}: mean train loss {loss:.4f}", flush=True)
-        xt, yt = load_tensors(args.dataset, train=False, limit=args.test_limit)
-        correct, total = evaluate(trainer.ddp, xt, yt, device)
-        say(f"test accuracy: {correct / total:.4f} ({correct}/{total}) | training {seconds:.1f}s",
-            flush=True)
-        if args.out and env.rank == 0:
-            ckpt.atomic_save(trainer.model.state_dict(), args.out)
-        return {"accuracy": correct / total, "seconds": seconds, "losses": losses}
-    finally:
-        cleanup()
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        env = torchrun_env()
-        run(args, env)
-    except (ValueError, LaunchError, DataError, DeviceError, ckpt.CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(run, build_parser()))

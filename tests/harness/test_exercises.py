@@ -141,3 +141,33 @@ def test_no_command_in_the_students_tree_runs_the_solutions():
                     hits.append(f"{path.relative_to(REPO)}:{lineno}: {line.strip()[:100]}")
     assert not hits, ("the student's tree points at solutions/ (it would run the reference "
                       "answers, not the student's code):\n" + "\n".join(hits[:20]))
+
+
+# ------------------------------------------------------------- lessons as diffs (01 -> 03 -> 04)
+
+# The most lines of code one lesson may change in the previous lesson's main file: "about 80",
+# what a reader takes in as one step (PyTorch's DDP tutorial series grows by 40 and 59 lines).
+# gen.code_lines_changed counts lines added plus lines removed, and leaves out blank lines,
+# comment-only lines (solution markers included) and docstrings: prose may grow freely.
+CHANGE_BUDGET = 85
+
+
+def test_code_lines_changed_counts_code_only():
+    before = 'def f(x):\n    """Double x."""\n    return 2 * x\n'
+    after = ('def f(x):\n    """Double x, then add one.\n\n    More words.\n    """\n'
+             '    # a comment\n\n    y = 2 * x\n    return y + 1\n')
+    assert gen.code_lines_changed(before, before) == 0
+    assert gen.code_lines_changed(before, after) == 3  # -return 2 * x, +y = 2 * x, +return y + 1
+
+
+@pytest.mark.parametrize("before, after", list(zip(gen.GROWTH, gen.GROWTH[1:])),
+                         ids=lambda p: p[0][:2])
+def test_each_lesson_grows_the_previous_ones_main_file_within_the_budget(before, after):
+    sol = REPO / "solutions"
+    a, b = (sol / lesson / name for lesson, name in (before, after))
+    changed = gen.code_lines_changed(a.read_text(), b.read_text())
+    assert changed <= CHANGE_BUDGET, (
+        f"{b.relative_to(sol)} changes {changed} lines of code of {a.relative_to(sol)} "
+        f"(budget {CHANGE_BUDGET}): move plumbing into dpt/, or keep the shapes the same")
+    assert (b.parent / gen.CHANGES).read_text() == gen.changes_diff(a, b), (
+        "CHANGES.diff is stale: run `make exercises`")

@@ -2,160 +2,142 @@
 
 from __future__ import annotations
 
-import os
+import time
+from argparse import Namespace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from dpt.data import TensorLoader
-from dpt.dist import cpu_budget
+from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
 from tests.lessons import load
 
 LESSON = "03_ddp_spawn"
-CPU = torch.device("cpu")
 
 
 def _mod():
     return load(LESSON, "ddp_spawn")
 
 
-def setup_and_report(rank, world_size):
+def setup_as_node_process(rank, world_size, nodes, gpus):
+    """Process ``rank`` of the test plays local process ``rank % gpus`` of node
+    ``rank // gpus``; it must find its global rank and join the group with it."""
     mod = _mod()
     torch.set_num_threads(cpu_budget())  # as if nobody had split the cores yet
-    device = mod.ddp_setup(rank, world_size, device="cpu")
+    args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=60.0,
+                     threads=None)
+    got_rank, got_world, device = mod.ddp_setup(rank % gpus, args)
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    info = {"device": str(device), "backend": dist.get_backend(), "rank": dist.get_rank(),
-            "world_size": dist.get_world_size(), "sum": t.item(),
+    info = {"returned": (got_rank, got_world), "group": (dist.get_rank(), dist.get_world_size()),
+            "device": str(device), "backend": dist.get_backend(), "sum": t.item(),
             "threads": torch.get_num_threads()}
-    mod.ddp_teardown()
-    info["initialized_after"] = dist.is_initialized()
-    mod.ddp_teardown()  # a second call must be harmless
+    dist.destroy_process_group()
     return info
 
 
-def session_that_raises(rank, world_size):
-    mod = _mod()
-    try:
-        with mod.ddp_session(rank, world_size, device="cpu"):
-            raise ValueError("training broke")
-    except ValueError:
-        pass
-    return dist.is_initialized()
-
-
-def setup_without_port(rank, world_size):
-    mod = _mod()
-    del os.environ["MASTER_PORT"]
-    try:
-        mod.ddp_setup(rank, world_size, device="cpu", timeout_s=10)
-    except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    port = os.environ.get("MASTER_PORT")
-    mod.ddp_teardown()
-    return {"port": port}
-
-
-def loader_shards(rank, world_size, n, batch_size):
+def loader_orders(rank, world_size, n, batch_size, shuffle, seed):
+    """The sample indices, batch by batch, this rank's loader gives in epochs 0 and 1."""
     mod = _mod()
     x = torch.arange(n, dtype=torch.float32).unsqueeze(1)
-    loader = mod.make_train_loader(x, torch.zeros(n, dtype=torch.long), batch_size, rank,
-                                   world_size, seed=0)
-    return [int(i) for xb, _ in loader for i in xb[:, 0]]
+    loader = mod.prepare_dataloader(x, torch.zeros(n, dtype=torch.long), batch_size,
+                                    shuffle=shuffle, seed=seed)
+    orders = []
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        orders.append([[int(i) for i in xb[:, 0]] for xb, _ in loader])
+    return orders
 
 
-class Recorder(nn.Module):
-    """A tiny classifier whose input is the sample's index; it remembers what it saw."""
+class SpySampler(DistributedSampler):
+    """A DistributedSampler that records the epoch and the indices of every pass."""
 
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(1, 10)
-        self.seen: list[int] = []
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passes: list[tuple[int, list[int]]] = []
 
-    def forward(self, x):
-        self.seen.extend(int(i) for i in x[:, 0])
-        return self.fc(x)
+    def __iter__(self):
+        order = list(super().__iter__())
+        self.passes.append((self.epoch, order))
+        return iter(order)
 
 
-def epoch_orders(rank, world_size, n, batch_size, epochs):
+def _data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def trainer_sampler_passes(rank, world_size, start_epoch, max_epochs):
+    """The sampler passes a Trainer makes training from ``start_epoch`` to ``max_epochs``."""
     mod = _mod()
-    x = torch.arange(n, dtype=torch.float32).unsqueeze(1)
-    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=0)
-    loader = TensorLoader(x, torch.zeros(n, dtype=torch.long), batch_size=batch_size,
-                          sampler=sampler)
-    model = Recorder()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    orders, losses = [], []
-    for epoch in range(epochs):
-        model.seen = []
-        losses.append(mod.train_epoch(model, loader, opt, CPU, epoch))
-        orders.append(list(model.seen))
-    return {"orders": orders, "losses": losses}
-
-
-def wrap_from_different_seeds(rank, world_size):
-    mod = _mod()
-    torch.manual_seed(100 + rank)  # each rank builds different initial weights
-    wrapped = mod.wrap_model(ConvNet(), CPU)
-    return {"is_ddp": isinstance(wrapped, DDP),
-            "state": {k: v.clone() for k, v in wrapped.module.state_dict().items()}}
+    x, y = _data(64)
+    sampler = SpySampler(range(len(x)), num_replicas=world_size, rank=rank, shuffle=True, seed=3)
+    torch.manual_seed(0)
+    model = ConvNet()
+    trainer = mod.Trainer(model, TensorLoader(x, y, batch_size=8, sampler=sampler),
+                          torch.optim.SGD(model.parameters(), lr=0.01), rank_device())
+    trainer.epochs_run = start_epoch
+    trainer.train(max_epochs, limit_batches=2)
+    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run}
 
 
 def ddp_steps(rank, world_size, x, y, per_rank, steps, lr):
-    """Several SGD steps; step s uses rank r's slice of global batch s."""
+    """Several Trainer steps; step s uses rank r's slice of global batch s. The ranks start
+    from different weights: DDP must give them rank 0's."""
     mod = _mod()
-    torch.manual_seed(0)
-    model = mod.wrap_model(ConvNet(batch_norm=False), CPU)
+    torch.manual_seed(0 if rank == 0 else 100 + rank)
+    model = ConvNet(batch_norm=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    trainer = mod.Trainer(model, None, opt, rank_device())
     for s in range(steps):
         lo = s * per_rank * world_size + rank * per_rank
-        opt.zero_grad()
-        F.cross_entropy(model(x[lo:lo + per_rank]), y[lo:lo + per_rank]).backward()
-        opt.step()
-    return {k: v.clone() for k, v in model.module.state_dict().items()}
+        trainer._run_batch(x[lo:lo + per_rank].to(trainer.device),
+                           y[lo:lo + per_rank].to(trainer.device))
+    return {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
 
 
-def save_on_ranks(rank, world_size, path):
+def save_on_ranks(rank, world_size, folder):
+    """First every rank saves to its OWN path (only rank 0 may write a file); then all save to
+    one path while rank 0 writes slowly: nobody may return before the file is there."""
     mod = _mod()
     torch.manual_seed(0)
-    model = DDP(ConvNet())
+    model = ConvNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(rank)
-    opt.zero_grad()
-    F.cross_entropy(model(torch.randn(4, 1, 28, 28, generator=g)),
-                    torch.randint(0, 10, (4,), generator=g)).backward()
+    x, y = _data(4, seed=rank)
+    F.cross_entropy(model(x), y).backward()  # a plain step: the optimizer gets momentum
     opt.step()
-    calls = []
-    real_save = torch.save
+    trainer = mod.Trainer(model, None, opt, rank_device(),
+                          checkpoint_path=Path(folder) / f"own{rank}.pt")
+    trainer._save_checkpoint(2)
+    dist.barrier()
+    real_save = mod.save_checkpoint
 
-    def counting_save(*args, **kwargs):
-        calls.append(1)
+    def slow_save(*args, **kwargs):
+        time.sleep(1.5)
         return real_save(*args, **kwargs)
 
-    torch.save = counting_save
+    mod.save_checkpoint = slow_save
     try:
-        mod.save_checkpoint(path, model, opt, epoch=2)
+        trainer.checkpoint_path = Path(folder) / "shared.pt"
+        trainer._save_checkpoint(3)
+        there_on_return = trainer.checkpoint_path.is_file()
     finally:
-        torch.save = real_save
-    dist.barrier()
-    return {"saves": len(calls),
-            "state": {k: v.clone() for k, v in model.module.state_dict().items()}}
+        mod.save_checkpoint = real_save
+    return {"state": {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()},
+            "there_on_return": there_on_return}
 
 
 def evaluate_counts(rank, world_size, x, y):
     mod = _mod()
     torch.manual_seed(0)
-    model = ConvNet()
+    model = ConvNet().to(rank_device())
     model.train()
-    counts = mod.evaluate_distributed(model, x, y, CPU, batch_size=16)
+    sampler = DistributedSampler(range(len(x)), shuffle=False)
+    counts = mod.evaluate(model, TensorLoader(x, y, batch_size=16, sampler=sampler),
+                          rank_device())
     return {"counts": counts, "training_after": model.training}
 
-
-def train_end_to_end(rank, world_size, args):
-    return _mod().run_training(rank, world_size, args)

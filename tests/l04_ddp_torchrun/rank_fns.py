@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from dpt.data import TensorLoader
+from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
 from tests.lessons import load
 
@@ -54,86 +55,36 @@ class SpySampler(DistributedSampler):
         return iter(order)
 
 
-def trainer_epochs(rank, world_size, runs):
-    """For each ``(epochs, start_epoch)`` of ``runs``: the sampler passes the Trainer makes."""
-    return [_trainer_epochs(rank, world_size, epochs, start) for epochs, start in runs]
+def _trainer(mod, rank, world_size, model, opt, snapshot_path=None, seed=3, n=64):
+    x, y = _data(n)
+    sampler = SpySampler(range(len(x)), num_replicas=world_size, rank=rank, shuffle=True,
+                         seed=seed)
+    return mod.Trainer(model, TensorLoader(x, y, batch_size=8, sampler=sampler), opt,
+                       rank_device(), snapshot_path=snapshot_path)
 
 
-def _trainer_epochs(rank, world_size, epochs, start_epoch):
+def rng_states_on_ranks(rank, world_size):
+    """Each rank has its own RNG state; every rank must receive all of them, in rank order."""
     mod = _mod()
-    x, y = _data(64)
-    sampler = SpySampler(range(len(x)), num_replicas=world_size, rank=rank, shuffle=True, seed=3)
-    loader = TensorLoader(x, y, batch_size=8, sampler=sampler)
-    torch.manual_seed(0)
-    model = ConvNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    trainer = mod.Trainer(model, loader, opt, torch.device("cpu"), save_every=0)
-    trainer.epochs_run = start_epoch
-    trainer.train(epochs, limit_batches=2)
-    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run}
-
-
-def trainer_save_schedule(rank, world_size, runs):
-    """For each ``(epochs, save_every, path)``: the epochs-done values the Trainer snapshots
-    at (save() is recorded, not written)."""
-    return [_save_schedule(rank, world_size, *run) for run in runs]
-
-
-def _save_schedule(rank, world_size, epochs, save_every, path):
-    mod = _mod()
-
-    class Recording(mod.Trainer):
-        def __init__(self, *args, **kwargs):
-            self.saved = []
-            super().__init__(*args, **kwargs)
-
-        def save(self, epochs_done):
-            self.saved.append(epochs_done)
-
-    x, y = _data(32)
-    sampler = DistributedSampler(range(len(x)), num_replicas=world_size, rank=rank, seed=0)
-    loader = TensorLoader(x, y, batch_size=8, sampler=sampler)
-    torch.manual_seed(0)
-    model = ConvNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    trainer = Recording(model, loader, opt, torch.device("cpu"), save_every=save_every,
-                        snapshot_path=path)
-    trainer.train(epochs, limit_batches=1)
-    return trainer.saved
-
-
-def trainer_weights_agree(rank, world_size, snapshot_paths):
-    """Ranks build models from different seeds; after the Trainer starts (and loads the
-    snapshot when there is one) and trains, all ranks must hold the same weights."""
-    return [_weights_agree(rank, world_size, path) for path in snapshot_paths]
-
-
-def _weights_agree(rank, world_size, snapshot_path):
-    mod = _mod()
-    x, y = _data(64)
-    sampler = DistributedSampler(range(len(x)), num_replicas=world_size, rank=rank, seed=0)
-    loader = TensorLoader(x, y, batch_size=8, sampler=sampler)
-    torch.manual_seed(100 + rank)  # different initial weights on purpose
-    model = ConvNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    trainer = mod.Trainer(model, loader, opt, torch.device("cpu"), save_every=0,
-                          snapshot_path=snapshot_path)
-    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    trainer.train(trainer.epochs_run + 1, limit_batches=2)
-    return {"start": start, "end": dict(trainer.model.named_parameters()),
-            "epochs_run": trainer.epochs_run}
+    torch.manual_seed(1000 + rank)
+    torch.rand(rank + 1)
+    mine = torch.get_rng_state()
+    states = mod.gather_rng_states(rank_device())
+    return {"mine": mine, "states": [s["torch"] for s in states],
+            "after": torch.get_rng_state()}
 
 
 def save_snapshot_on_ranks(rank, world_size, folder):
-    """Every rank calls save_snapshot with its OWN path: only rank 0 may write a file."""
+    """Every rank snapshots to its OWN path: only rank 0 may write a file."""
     mod = _mod()
     model, opt = _stepped_model(seed=0)  # the same weights on every rank
-    ddp = DDP(model)
+    trainer = _trainer(mod, rank, world_size, model, opt, Path(folder) / f"snap{rank}.pt",
+                       seed=7)
     torch.manual_seed(1000 + rank)  # a different RNG state on every rank
     torch.rand(rank + 1)
     rng = torch.get_rng_state()
-    mod.save_snapshot(Path(folder) / f"snap{rank}.pt", ddp, opt, epoch=3, sampler_seed=7)
-    return {"rng": rng, "model": model.state_dict(), "optimizer": opt.state_dict(),
+    trainer._save_snapshot(3)
+    return {"rng": rng, "model": {k: v.cpu() for k, v in model.state_dict().items()},
             "after": torch.get_rng_state()}
 
 
@@ -143,9 +94,25 @@ def load_snapshot_on_ranks(rank, world_size, path):
     model, opt = _stepped_model(seed=50 + rank)
     ddp = DDP(model) if dist.is_initialized() else model
     torch.manual_seed(777 + rank)
-    info = mod.load_snapshot(path, ddp, opt)
+    info = mod.load_snapshot(path, ddp, opt, torch.device("cpu"))
     return {"info": info, "model": model.state_dict(), "optimizer": opt.state_dict(),
             "draw": torch.rand(4)}
+
+
+def resume_from_snapshot(rank, world_size, path):
+    """Ranks build models from different seeds and a loader seeded 3; a Trainer given the
+    snapshot must start from its weights, epoch and sampler seed, and train on from there."""
+    mod = _mod()
+    torch.manual_seed(100 + rank)  # different initial weights on purpose
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
+    start = {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
+    epochs_run = trainer.epochs_run
+    trainer.snapshot_path = None  # train without writing over the test's snapshot
+    trainer.train(epochs_run + 2, limit_batches=2)
+    return {"start": start, "epochs_run": epochs_run, "passes": trainer.train_data.sampler.passes,
+            "end": {k: v.detach().cpu() for k, v in trainer.model.module.named_parameters()}}
 
 
 def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:
@@ -155,9 +122,11 @@ def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:
     """
     try:
         mod = _mod()
-        path = Path(folder) / "snapshot.pt"
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)  # the Trainer wraps in DDP
         model, opt = _stepped_model(seed=0)
-        mod.save_snapshot(path, model, opt, epoch=1, sampler_seed=0)
+        trainer = _trainer(mod, 0, 1, model, opt, Path(folder) / "snapshot.pt")
+        trainer._save_snapshot(1)
         real_save = torch.save
 
         def half_then_stall(obj, f, *args, **kwargs):
@@ -174,8 +143,8 @@ def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:
             time.sleep(120)
 
         torch.save = half_then_stall
-        mod.save_snapshot(path, model, opt, epoch=2, sampler_seed=0)
-        Path(error).write_text("save_snapshot returned although torch.save never finished")
+        trainer._save_snapshot(2)
+        Path(error).write_text("_save_snapshot returned although torch.save never finished")
     except BaseException:  # noqa: BLE001 - hand the failure to the parent
         Path(error).write_text(traceback.format_exc())
     finally:

@@ -1,5 +1,5 @@
-"""Lesson 04, in-process and on 2 gloo ranks: torchrun's variables, the sampler, snapshots,
-the Trainer's epoch loop, and the CLI's refusals. The torchrun launches are in
+"""Lesson 04, in-process and on 2 gloo ranks: torchrun's variables, snapshots, resuming, and
+the CLI's refusals. The torchrun launches are in
 test_torchrun_launch.py."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import time
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
+from dpt import cli
 from dpt.checkpoint import CheckpointError
 from dpt.models import ConvNet
 from dpt.testing import run_distributed
@@ -64,46 +66,36 @@ def test_torchrun_env_rejects_ranks_out_of_range(mod, change):
         mod.torchrun_env({**ENV, **change})
 
 
-# --------------------------------------------------------------------- 04.2 the train loader
-
-
-def _indices(loader):
-    return [int(i) for _, y in loader for i in y]
+# ------------------------------------------------------------------ 04.2 gather_rng_states
 
 
 @pytest.mark.task("04.2")
-def test_train_loader_gives_each_rank_a_disjoint_share(mod):
-    n, world = 96, 2
-    x, idx = torch.zeros(n, 1, 28, 28), torch.arange(n)  # "labels" = sample index
-    loaders = [mod.make_train_loader(x, idx, 8, r, world, seed=5) for r in range(world)]
-    shares = [_indices(ld) for ld in loaders]
-    assert all(len(s) == n // world for s in shares), "each rank must see 1/world of the data"
-    assert not set(shares[0]) & set(shares[1]), "ranks see overlapping samples"
-    assert set(shares[0]) | set(shares[1]) == set(range(n))
-    assert shares[0] != sorted(shares[0]), "the training order is not shuffled"
-    assert all(len(b[0]) == 8 for b in loaders[0])
+@pytest.mark.timeout(120)
+def test_every_rank_receives_every_ranks_rng_state_in_rank_order():
+    out = run_distributed(rank_fns.rng_states_on_ranks, 2, timeout=100)
+    for rank, res in enumerate(out):
+        assert len(res["states"]) == 2, "one state per rank"
+        for other in range(2):
+            assert torch.equal(res["states"][other], out[other]["mine"]), (
+                f"rank {rank}'s entry {other} is not rank {other}'s RNG state")
+        assert torch.equal(res["after"], res["mine"]), "reading the states drew random numbers"
 
 
 @pytest.mark.task("04.2")
-def test_train_loader_reshuffles_by_epoch_and_honours_the_seed(mod):
-    n = 64
-    x, idx = torch.zeros(n, 1, 28, 28), torch.arange(n)
-    a = mod.make_train_loader(x, idx, 8, 0, 2, seed=1)
-    b = mod.make_train_loader(x, idx, 8, 0, 2, seed=1)
-    assert _indices(a) == _indices(b), "same seed and epoch must give the same order"
-    a.sampler.set_epoch(1)
-    assert _indices(a) != _indices(b), "set_epoch must change the order"
-    c = mod.make_train_loader(x, idx, 8, 0, 2, seed=2)
-    assert _indices(c) != _indices(b), "the seed is ignored"
+def test_one_process_without_a_group_gets_its_own_state(mod):
+    torch.manual_seed(5)
+    states = mod.gather_rng_states(torch.device("cpu"))
+    assert len(states) == 1 and torch.equal(states[0]["torch"], torch.get_rng_state())
 
 
-# ------------------------------------------------------------------------ 04.3 save_snapshot
+# ------------------------------------------------------------------------ 04.3 _save_snapshot
 
 
 @pytest.mark.task("04.3")
 @pytest.mark.timeout(120)
-def test_only_rank_0_writes_a_snapshot_without_module_prefix(mod, tmp_path):
-    out = run_distributed(rank_fns.save_snapshot_on_ranks, 2, args=(str(tmp_path),))
+def test_only_rank_0_writes_a_snapshot_without_module_prefix(tmp_path):
+    out = run_distributed(rank_fns.save_snapshot_on_ranks, 2, args=(str(tmp_path),),
+                          timeout=100)
     assert (tmp_path / "snap0.pt").is_file()
     assert not (tmp_path / "snap1.pt").exists(), "rank 1 wrote a snapshot too"
     state = torch.load(tmp_path / "snap0.pt", weights_only=True)
@@ -113,21 +105,13 @@ def test_only_rank_0_writes_a_snapshot_without_module_prefix(mod, tmp_path):
         torch.testing.assert_close(state["model"][k], v)
     assert state["optimizer"]["state"], "the optimizer's momentum buffers are missing"
     assert state["epoch"] == 3 and state["world_size"] == 2
-    assert state["sampler"]["seed"] == 7
+    assert state["sampler"]["seed"] == 7, "the snapshot must keep the sampler's seed"
     assert len(state["rng"]) == 2
     for rank in range(2):
         assert torch.equal(state["rng"][rank]["torch"], out[rank]["rng"]), \
             f"the snapshot's rng[{rank}] is not rank {rank}'s RNG state"
         assert torch.equal(out[rank]["after"], out[rank]["rng"]), "saving drew random numbers"
-
-
-@pytest.mark.task("04.3")
-def test_save_snapshot_works_in_one_process(mod, tmp_path):
-    model, opt = rank_fns._stepped_model(seed=0)
-    mod.save_snapshot(tmp_path / "s.pt", model, opt, epoch=1, sampler_seed=0)
-    state = torch.load(tmp_path / "s.pt", weights_only=True)
-    assert state["epoch"] == 1 and state["world_size"] == 1 and len(state["rng"]) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["s.pt"], "a temporary file was left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap0.pt"], "a temporary file left"
 
 
 @pytest.mark.task("04.3")
@@ -139,7 +123,7 @@ def test_a_kill_during_a_snapshot_write_leaves_the_previous_snapshot(tmp_path):
     proc = mp.get_context("forkserver").Process(
         target=rank_fns.write_then_die_mid_snapshot, args=(str(tmp_path), str(marker), str(error)))
     proc.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while not (marker.exists() or error.exists()) and proc.is_alive():
         if time.monotonic() > deadline:
             proc.kill()
@@ -205,82 +189,52 @@ def test_a_corrupted_snapshot_is_a_checkpoint_error(mod, tmp_path, content):
     path.write_bytes(content)
     model, opt = rank_fns._stepped_model(seed=0)
     with pytest.raises(CheckpointError, match="snap.pt"):
-        mod.load_snapshot(path, model, opt)
+        mod.load_snapshot(path, model, opt, torch.device("cpu"))
 
 
-# --------------------------------------------------------------------- 04.5 the epoch loop
+# ------------------------------------------------------------------ 04.5 resuming
 
 
 @pytest.fixture(scope="module")
-def epoch_passes():
-    """Sampler passes of a fresh 3-epoch run and of a run resumed at epoch 2 of 4 (one launch
-    for both: starting ranks is the slow part)."""
-    return run_distributed(rank_fns.trainer_epochs, 2, args=([(3, 0), (4, 2)],), timeout=120)
+def resumed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("resume") / "snap.pt"
+    model, _, _ = _reference_snapshot(path, epoch=1, seed=11)
+    out = run_distributed(rank_fns.resume_from_snapshot, 2, args=(str(path),), timeout=120)
+    return model, out
 
 
 @pytest.mark.task("04.5")
 @pytest.mark.timeout(150)
-def test_trainer_sets_the_sampler_epoch_every_epoch(epoch_passes):
-    fresh = [ranks[0] for ranks in epoch_passes]
-    for res in fresh:
-        epochs = [e for e, _ in res["passes"]]
-        assert epochs == [0, 1, 2], f"sampler epochs {epochs}: set_epoch(epoch) is missing"
-        orders = [order for _, order in res["passes"]]
-        assert orders[0] != orders[1] != orders[2], "the data order repeats across epochs"
-        assert res["epochs_run"] == 3
-    for e in range(3):
-        assert not set(fresh[0]["passes"][e][1]) & set(fresh[1]["passes"][e][1])
-
-
-@pytest.mark.task("04.5")
-@pytest.mark.timeout(150)
-def test_a_resumed_trainer_continues_at_the_snapshot_epoch(epoch_passes):
-    for ranks in epoch_passes:
-        res = ranks[1]
-        assert [e for e, _ in res["passes"]] == [2, 3], \
-            "a resumed run must redo exactly the missing epochs, with their data order"
-        assert res["epochs_run"] == 4
-
-
-@pytest.mark.task("04.5")
-@pytest.mark.timeout(150)
-def test_trainer_snapshots_every_save_every_epochs(tmp_path):
-    path = str(tmp_path / "never_written.pt")
-    out = run_distributed(rank_fns.trainer_save_schedule, 2,
-                          args=([(5, 2, path), (3, 1, path), (3, 2, None)],), timeout=120)
-    for ranks in out:
-        every2, every1, no_path = ranks
-        assert every2 == [2, 4] and every1 == [1, 2, 3], \
-            f"snapshots at {every2} / {every1}: not every save_every epochs"
-        assert no_path == [], "no snapshot path, no snapshot"
-
-
-# ------------------------------------------------------------- the Trainer (not a task)
-
-
-@pytest.mark.timeout(150)
-def test_ranks_start_and_stay_identical_with_or_without_a_snapshot(tmp_path):
-    path = tmp_path / "snap.pt"
-    model, _, _ = _reference_snapshot(path, epoch=1)
-    out = run_distributed(rank_fns.trainer_weights_agree, 2, args=([None, str(path)],),
-                          timeout=120)
-    fresh, resumed = [r[0] for r in out], [r[1] for r in out]
-    for k in fresh[0]["start"]:  # built from different seeds: DDP's broadcast evens them
-        torch.testing.assert_close(fresh[0]["start"][k], fresh[1]["start"][k], rtol=0, atol=0)
-    for k in fresh[0]["end"]:  # parameters (batch-norm running stats stay per rank)
-        torch.testing.assert_close(fresh[0]["end"][k], fresh[1]["end"][k])
-        torch.testing.assert_close(resumed[0]["end"][k], resumed[1]["end"][k])
-    for res in resumed:  # every rank starts from the snapshot, not from its own weights
-        assert res["epochs_run"] == 2
+def test_every_rank_starts_from_the_snapshot(resumed):
+    model, out = resumed
+    for rank, res in enumerate(out):
+        assert res["epochs_run"] == 1, "the Trainer must resume at the snapshot's epoch"
         for k, v in model.state_dict().items():
-            torch.testing.assert_close(res["start"][k], v)
+            torch.testing.assert_close(res["start"][k], v,
+                                       msg=f"rank {rank} did not start from the snapshot ({k})")
+    for k in out[0]["end"]:  # and the ranks stay identical as they train on
+        torch.testing.assert_close(out[0]["end"][k], out[1]["end"][k])
+
+
+@pytest.mark.task("04.5")
+@pytest.mark.timeout(150)
+def test_a_resumed_run_replays_the_snapshots_data_order(resumed):
+    _, out = resumed
+    for rank, res in enumerate(out):
+        assert [e for e, _ in res["passes"]] == [1, 2], \
+            "a run resumed at epoch 1 must train epochs 1 and 2"
+        expected = DistributedSampler(range(64), num_replicas=2, rank=rank, shuffle=True,
+                                      seed=11)
+        expected.set_epoch(1)
+        assert res["passes"][0][1] == list(expected), (
+            "the data order is not the snapshot's: restore the sampler's seed from it")
 
 
 # ------------------------------------------------------------------ the CLI (not a task)
 
 
 def test_old_local_rank_argument_is_refused_with_the_fix(mod, capsys):
-    assert mod.main(["--local_rank=0", "--epochs", "1"]) == 2
+    assert cli.main(mod.run, mod.build_parser(), ["--local_rank=0", "--epochs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "LOCAL_RANK" in err[0]
     assert "torchrun" in err[0]
@@ -289,34 +243,12 @@ def test_old_local_rank_argument_is_refused_with_the_fix(mod, capsys):
 def test_without_torchrun_the_script_says_how_to_launch(mod, capsys, monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    assert mod.main(["--epochs", "1"]) == 2
+    assert cli.main(mod.run, mod.build_parser(), ["--epochs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torchrun" in err[0]
 
 
-def test_bad_fail_at_is_one_clear_line(mod):
-    with pytest.raises(ValueError, match="EPOCH:BATCH"):
-        mod.Fault.parse("five")
-    assert mod.Fault.parse(None) is None
-    assert mod.Fault.parse("2:7", rank=0) == mod.Fault(2, 7, 0)
-
-
-def test_the_fault_fires_only_on_the_first_attempt_and_chosen_rank(mod):
-    fault = mod.Fault(1, 3, rank=1)
-    for rank, restarts, epoch, batch in [(0, 0, 1, 3), (1, 1, 1, 3), (1, 0, 1, 2), (1, 0, 0, 3)]:
-        fault.maybe_fire(rank, restarts, epoch, batch)  # must return, not exit
-    proc = mp.get_context("fork").Process(target=fault.maybe_fire, args=(1, 0, 1, 3))
-    proc.start()
-    proc.join(30)
-    assert proc.exitcode == mod.FAULT_EXIT_CODE
-
-
 def test_snapshot_folder_must_exist(mod, tmp_path):
-    args = mod.parse_args(["--snapshot", str(tmp_path / "missing" / "s.pt")])
-    env = mod.TorchrunEnv(0, 0, 2, 2, 0)
+    args = mod.build_parser().parse_args(["--snapshot", str(tmp_path / "missing" / "s.pt")])
     with pytest.raises(CheckpointError, match="does not exist"):
-        mod.validate(args, env)
-    with pytest.raises(ValueError, match="--fail-rank"):
-        mod.validate(mod.parse_args(["--fail-at", "0:1", "--fail-rank", "2"]),
-                     mod.TorchrunEnv(0, 0, 2, 2, 0))
-
+        cli.validate(args)

@@ -1,0 +1,215 @@
+"""The command line every training lesson shares: flags, checks, and one ``error:`` line.
+
+Lessons 01-04 build their parser with :func:`parser`, check it with :func:`validate` and run
+through :func:`main`, so a bad flag, missing data, a device the machine lacks or a broken
+checkpoint end the same way everywhere: one line ``error: ...`` on stderr and exit code 2.
+Lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address) lives here too, so the
+lesson files hold only what they teach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dpt.checkpoint import CheckpointError
+from dpt.data import DATASETS, DEFAULT_DATASET, DataError, check_batch_size
+from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
+from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
+from dpt.models import MODELS
+
+__all__ = ["LaunchError", "main", "parser", "validate"]
+
+
+EXPECTED = (ValueError, DataError, DeviceError, CheckpointError)
+POSITIVE = ("epochs", "limit_batches", "train_limit", "test_limit", "threads", "save_every")
+
+
+def parser(description: str, *, epochs: int = 1, per_rank: bool = False
+           ) -> argparse.ArgumentParser:
+    """The flags every training lesson takes; a lesson adds its own to the result."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS))
+    p.add_argument("--model", default="convnet", choices=sorted(MODELS))
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="per rank" if per_rank else "samples per step")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
+    p.add_argument("--limit-batches", type=int, default=None,
+                   help="train on at most this many batches per epoch (quick runs)")
+    p.add_argument("--train-limit", type=int, default=None, help="use the first N train samples")
+    p.add_argument("--test-limit", type=int, default=None, help="use the first N test samples")
+    p.add_argument("--save-every", type=int, default=1,
+                   help="epochs between " + ("snapshots" if epochs > 1 else "checkpoints"))
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads" + (" per rank" if per_rank else " (default: all cores)"))
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels (cuDNN/cuBLAS), for bit-exact reruns on GPUs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    if per_rank:
+        p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="seconds to wait for the other processes (connect, collectives)")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Turn bad input into one clear exception before any work starts."""
+    check_batch_size(args.batch_size)
+    for name in POSITIVE:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("checkpoint", "snapshot"):
+        path = getattr(args, flag, None)
+        if path and not Path(path).parent.is_dir():
+            raise CheckpointError(f"cannot write {flag} {path}: folder {Path(path).parent} "
+                                  "does not exist")
+    if getattr(args, "timeout", 1) <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+
+
+def deterministic(on: bool = True) -> None:
+    """Ask torch for deterministic kernels: cuDNN picks none of its nondeterministic
+    algorithms, cuBLAS gets a fixed workspace. The CPU kernels used here already are."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def error_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type when it has none."""
+    if isinstance(exc, dist.DistNetworkError):
+        return (f"lost or never reached the rendezvous at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} ({str(exc).strip().splitlines()[0][:100]})")
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser,
+         argv: list[str] | None = None) -> int:
+    """Parse, validate, run; expected failures become ``error: ...`` and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        old = [a for a in argv if a.split("=")[0] in ("--local_rank", "--local-rank")]
+        if old:
+            raise LaunchError(f"{old[0].split('=')[0]} is the old torch.distributed.launch "
+                              "argument; this script reads LOCAL_RANK from the environment: "
+                              "launch it with torchrun")
+        args = p.parse_args(argv)
+        validate(args)
+        run(args)
+    except (*EXPECTED, dist.DistError) as exc:
+        print(f"error: {error_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+@contextlib.contextmanager
+def rank_errors(who: str):
+    """In a process started by ``mp.spawn``: an expected failure prints one line naming the
+    rank and exits 2, which :func:`spawn` passes on (instead of a pickled traceback)."""
+    try:
+        yield
+    except (*EXPECTED, dist.DistError) as exc:
+        print(f"error: {who}: {error_line(exc)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+# ------------------------------------------------------------------ lesson 03: mp.spawn
+
+
+def add_spawn_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("-n", "--nodes", type=int, default=1, help="machines in the job")
+    p.add_argument("-g", "--gpus", type=int, default=2,
+                   help="processes to start on this machine (one per GPU, or CPU ranks)")
+    p.add_argument("-nr", "--nr", type=int, default=0, help="this machine's rank, 0..nodes-1")
+    p.add_argument("--master-addr", default=None,
+                   help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="port on node 0 (default: $MASTER_PORT; on one node, a free port)")
+    return p
+
+
+def check_launch(nodes: int, procs_per_node: int, node_rank: int, device: str = "auto") -> int:
+    """Refuse a launch that cannot work, with one sentence; return the world size.
+
+    On a machine with GPUs, ``auto`` means one GPU per process too, so ``-g 2`` on one GPU is
+    refused here, before any process starts, rather than late in rank 1.
+    """
+    if nodes < 1:
+        raise LaunchError(f"--nodes must be at least 1, got {nodes}")
+    if procs_per_node < 1:
+        raise LaunchError(f"--gpus (processes per node) must be at least 1, got {procs_per_node}")
+    if not 0 <= node_rank < nodes:
+        raise LaunchError(f"node rank -nr {node_rank} is out of range: with --nodes {nodes} "
+                          f"it must be 0..{nodes - 1}")
+    if pick_device(device, distributed=True).type == "cuda":
+        gpus = torch.cuda.device_count()
+        if procs_per_node > gpus:
+            raise DeviceError(f"-g {procs_per_node} processes on this machine's {gpus} GPU(s): "
+                              f"one GPU per process, so use -g {gpus} or fewer, or --device cpu")
+    return nodes * procs_per_node
+
+
+def resolve_master(args: argparse.Namespace) -> tuple[str, int]:
+    """Where rank 0 listens. One node may pick a free port; several must agree on one."""
+    addr = args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    port = args.master_port or os.environ.get("MASTER_PORT")
+    if port is None:
+        if args.nodes > 1:
+            raise LaunchError("with --nodes > 1, give every node the same --master-port "
+                              "(or MASTER_PORT), and --master-addr of node 0")
+        port = find_free_port()
+    if not 0 < int(port) < 65536:
+        raise LaunchError(f"--master-port must be 1..65535, got {port}")
+    return addr, int(port)
+
+
+def _guarded(local_rank: int, fn: Callable, args: argparse.Namespace) -> None:
+    with rank_errors(f"process {local_rank} of node {args.nr}"):
+        fn(local_rank, args)
+
+
+def spawn(fn: Callable, args: argparse.Namespace) -> None:
+    """Start ``fn(local_rank, args)`` in ``args.gpus`` processes, after checking the launch.
+
+    If one process fails, ``mp.spawn`` stops the others; a rank that already printed its
+    ``error:`` line (exit 2) ends the launcher with exit 2 too.
+    """
+    import torch.multiprocessing as mp
+
+    world_size = check_launch(args.nodes, args.gpus, args.nr, args.device)
+    os.environ["MASTER_ADDR"], port = resolve_master(args)
+    os.environ["MASTER_PORT"] = str(port)
+    # c10d's C++ retry warnings (with stack frames) would bury the one-line errors.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    first = args.nr * args.gpus
+    print(f"node {args.nr} of {args.nodes}: starting {args.gpus} process(es), global ranks "
+          f"{first}..{first + args.gpus - 1} of {world_size}; rendezvous at "
+          f"{os.environ['MASTER_ADDR']}:{port}", flush=True)
+    try:
+        mp.spawn(_guarded, args=(fn, args), nprocs=args.gpus, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.exit_code == 2:  # the rank printed its error line already
+            raise SystemExit(2) from None
+        raise LaunchError(f"process {exc.error_index} died with exit code {exc.exit_code}; "
+                          "the other processes were stopped") from None
+    except mp.ProcessRaisedException as exc:
+        raise LaunchError(f"process {exc.error_index} failed: "
+                          f"{str(exc).strip().splitlines()[-1]}; the other processes were "
+                          "stopped") from None

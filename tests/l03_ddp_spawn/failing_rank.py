@@ -1,0 +1,32 @@
+"""Lesson 03's script with a fault the test injects: rank 1 raises as its first epoch starts.
+
+The lesson's code has no hook for this. ``mp.spawn`` starts each process by importing this
+file again (as ``__mp_main__``), so the patch below is in place in every rank.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.lessons import lesson_dir  # noqa: E402
+
+sys.path.insert(0, str(lesson_dir("03_ddp_spawn")))
+
+import ddp_spawn  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+_real_run_epoch = ddp_spawn.Trainer._run_epoch
+
+
+def _run_epoch(self, epoch, limit_batches=None):
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 fails on purpose (a fault the test injects)")
+    return _real_run_epoch(self, epoch, limit_batches)
+
+
+ddp_spawn.Trainer._run_epoch = _run_epoch
+
+if __name__ == "__main__":
+    cli = ddp_spawn.cli
+    sys.exit(cli.main(lambda args: cli.spawn(ddp_spawn.run, args), ddp_spawn.build_parser()))
