@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dpt.checkpoint import CheckpointError
-from dpt.data import DATASETS, DEFAULT_DATASET, DataError, check_batch_size
+from dpt.data import MNIST, DataError, add_dataset_argument, check_batch_size
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
 from dpt.models import MODELS
@@ -36,7 +36,7 @@ def parser(description: str, *, epochs: int = 1, per_rank: bool = False
            ) -> argparse.ArgumentParser:
     """The flags every training lesson takes; a lesson adds its own to the result."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--dataset", default=DEFAULT_DATASET, choices=sorted(DATASETS))
+    add_dataset_argument(p, default=MNIST)  # as the tutorials these lessons follow
     p.add_argument("--model", default="convnet", choices=sorted(MODELS))
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=64,

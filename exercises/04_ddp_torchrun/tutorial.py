@@ -21,7 +21,7 @@
 # Blocks marked "copy your answer from lesson 01/03" are earlier tasks: paste your code.
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 folder = use_lesson("04_ddp_torchrun")
 
@@ -38,9 +38,15 @@ import matplotlib.pyplot as plt
 import torch
 
 import ddp_torchrun as lesson
-from dpt.data import prepare
+from dpt.data import is_present, prepare
 
-prepare("fashion-mnist")
+DATASET = "mnist" if is_present("mnist") else "fashion-mnist"  # MNIST after `make data`
+prepare(DATASET)
+
+# %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
 
 # %% [markdown]
 # ## What torchrun tells each worker
@@ -60,8 +66,9 @@ prepare("fashion-mnist")
 # worker 3 of 4 on the second machine would see it after one restart:
 
 # %%
-print(lesson.torchrun_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
-                           "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}))
+with needs_tasks():
+    print(lesson.torchrun_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                               "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}))
 
 # %% [markdown]
 # ## Migrating from `torch.distributed.launch`
@@ -86,7 +93,8 @@ print(lesson.torchrun_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
 # script refuses the old argument with one line telling you what to do:
 
 # %%
-print("exit code:", lesson.cli.main(lesson.run, lesson.build_parser(), ["--local_rank=0"]))
+with needs_tasks():
+    print("exit code:", lesson.cli.main(lesson.run, lesson.build_parser(), ["--local_rank=0"]))
 
 # %% [markdown]
 # ## Why this notebook launches a script
@@ -103,30 +111,31 @@ print("exit code:", lesson.cli.main(lesson.run, lesson.build_parser(), ["--local
 # #167288 is the same trap with NCCL). The variable gives each attempt a fresh store.
 
 # %%
-SCRIPT = folder / "ddp_torchrun.py"
-work = Path(tempfile.mkdtemp(prefix="l04-"))
-TINY = ["--epochs", "3", "--limit-batches", "40", "--train-limit", "4096", "--test-limit", "1000",
-        "--batch-size", "32", "--threads", "1", "--no-progress", "--device", "cpu",
-        "--timeout", "300"]
+with needs_tasks():
+    SCRIPT = folder / "ddp_torchrun.py"
+    work = Path(tempfile.mkdtemp(prefix="l04-"))
+    TINY = ["--dataset", DATASET, "--epochs", "3", "--limit-batches", "40", "--train-limit", "4096", "--test-limit", "1000",
+            "--batch-size", "32", "--threads", "1", "--no-progress", "--device", "cpu",
+            "--timeout", "300"]
 
 
-def torchrun(*args, nproc=2, max_restarts=0, log="run.log"):
-    """Start `torchrun --nproc-per-node=nproc ... ddp_torchrun.py args` in the background."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-           str(SCRIPT), *map(str, args)]
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, stdout=open(work / log, "w"), stderr=subprocess.STDOUT,
-                            env=env)
+    def torchrun(*args, nproc=2, max_restarts=0, log="run.log"):
+        """Start `torchrun --nproc-per-node=nproc ... ddp_torchrun.py args` in the background."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+               str(SCRIPT), *map(str, args)]
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        return subprocess.Popen(cmd, stdout=open(work / log, "w"), stderr=subprocess.STDOUT,
+                                env=env)
 
 
-def finish(proc, log, timeout=600):
-    proc.wait(timeout=timeout)
-    text = (work / log).read_text()
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited {proc.returncode}:\n{text[-3000:]}")
-    return text
+    def finish(proc, log, timeout=600):
+        proc.wait(timeout=timeout)
+        text = (work / log).read_text()
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun exited {proc.returncode}:\n{text[-3000:]}")
+        return text
 
 # %% [markdown]
 # ## A run that fails halfway, next to one that does not
@@ -138,29 +147,30 @@ def finish(proc, log, timeout=600):
 # again; they find the snapshot and go on from there. Both runs start at once to save time.
 
 # %%
-def kill_a_worker_after_first_snapshot(proc, snapshot, timeout=600):
-    """SIGKILL one worker of the torchrun agent `proc` once `snapshot` exists."""
-    deadline = time.monotonic() + timeout
-    while not snapshot.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the run ended, or took too long, before its first snapshot")
-        time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                             text=True).stdout.split()
-    os.kill(int(max(workers, key=int)), signal.SIGKILL)
-    print(f"killed worker {max(workers, key=int)} of {len(workers)} after the first snapshot")
+with needs_tasks():
+    def kill_a_worker_after_first_snapshot(proc, snapshot, timeout=600):
+        """SIGKILL one worker of the torchrun agent `proc` once `snapshot` exists."""
+        deadline = time.monotonic() + timeout
+        while not snapshot.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the run ended, or took too long, before its first snapshot")
+            time.sleep(0.2)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        os.kill(int(max(workers, key=int)), signal.SIGKILL)
+        print(f"killed worker {max(workers, key=int)} of {len(workers)} after the first snapshot")
 
 
-start = time.perf_counter()
-clean = torchrun(*TINY, "--snapshot", work / "clean.pt", log="clean.log")
-faulty = torchrun(*TINY, "--snapshot", work / "faulty.pt", max_restarts=2, log="faulty.log")
-kill_a_worker_after_first_snapshot(faulty, work / "faulty.pt")
-clean_log, faulty_log = finish(clean, "clean.log"), finish(faulty, "faulty.log")
-print(f"both runs done in {time.perf_counter() - start:.0f}s\n")
-keep = ("resumed", "epoch ", "accuracy", "exitcode", "Signals.SIGKILL", "restart")
-for line in faulty_log.splitlines():
-    if any(k in line for k in keep) and not line.startswith("[rank"):
-        print(line[:160])
+    start = time.perf_counter()
+    clean = torchrun(*TINY, "--snapshot", work / "clean.pt", log="clean.log")
+    faulty = torchrun(*TINY, "--snapshot", work / "faulty.pt", max_restarts=2, log="faulty.log")
+    kill_a_worker_after_first_snapshot(faulty, work / "faulty.pt")
+    clean_log, faulty_log = finish(clean, "clean.log"), finish(faulty, "faulty.log")
+    print(f"both runs done in {time.perf_counter() - start:.0f}s\n")
+    keep = ("resumed", "epoch ", "accuracy", "exitcode", "Signals.SIGKILL", "restart")
+    for line in faulty_log.splitlines():
+        if any(k in line for k in keep) and not line.startswith("[rank"):
+            print(line[:160])
 
 # %% [markdown]
 # The log reads: the workers train epoch 0 and snapshot; one of them is killed; torchrun
@@ -169,27 +179,28 @@ for line in faulty_log.splitlines():
 # equal those of the run that never failed.
 
 # %%
-a = torch.load(work / "clean.pt", weights_only=True)["model"]
-b = torch.load(work / "faulty.pt", weights_only=True)["model"]
-diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-print(f"largest difference over {len(a)} tensors: {diff:g}",
-      "(bit for bit)" if all(torch.equal(a[k], b[k]) for k in a) else "")
+with needs_tasks():
+    a = torch.load(work / "clean.pt", weights_only=True)["model"]
+    b = torch.load(work / "faulty.pt", weights_only=True)["model"]
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    print(f"largest difference over {len(a)} tensors: {diff:g}",
+          "(bit for bit)" if all(torch.equal(a[k], b[k]) for k in a) else "")
 
 
-def epoch_losses(log):
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"epoch (\d+): mean train loss ([\d.]+)",
-                                                         log)}
+    def epoch_losses(log):
+        return {int(m[1]): float(m[2]) for m in re.finditer(r"epoch (\d+): mean train loss ([\d.]+)",
+                                                             log)}
 
 
-lc, lf = epoch_losses(clean_log), epoch_losses(faulty_log)
-fig, ax = plt.subplots(figsize=(6, 3.2))
-ax.plot(list(lc), list(lc.values()), "o-", label="never failed")
-ax.plot(list(lf), list(lf.values()), "x", ms=12, label="resumed after the fault (attempt 1)")
-ax.axvline(0.5, color="red", ls=":", label="a worker is killed after epoch 0")
-ax.set(xlabel="epoch", ylabel="mean train loss", xticks=list(lc),
-       title="Resuming from a snapshot repeats the same numbers")
-ax.legend(fontsize=8)
-plt.show()
+    lc, lf = epoch_losses(clean_log), epoch_losses(faulty_log)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(list(lc), list(lc.values()), "o-", label="never failed")
+    ax.plot(list(lf), list(lf.values()), "x", ms=12, label="resumed after the fault (attempt 1)")
+    ax.axvline(0.5, color="red", ls=":", label="a worker is killed after epoch 0")
+    ax.set(xlabel="epoch", ylabel="mean train loss", xticks=list(lc),
+           title="Resuming from a snapshot repeats the same numbers")
+    ax.legend(fontsize=8)
+    plt.show()
 
 # %% [markdown]
 # Why exactly equal, and not just close? Everything the next epoch depends on is in the
@@ -206,17 +217,18 @@ plt.show()
 # Here is what rank 0 wrote:
 
 # %%
-snap = torch.load(work / "faulty.pt", weights_only=True)
-for key, value in snap.items():
-    if key == "model":
-        print(f"{key:10} {len(value)} tensors, no 'module.' prefix: "
-              f"{not any(k.startswith('module.') for k in value)}")
-    elif key == "optimizer":
-        print(f"{key:10} momentum buffers for {len(value['state'])} parameters")
-    elif key == "rng":
-        print(f"{key:10} one CPU generator state per rank: {[r['torch'].shape for r in value]}")
-    else:
-        print(f"{key:10} {value}")
+with needs_tasks():
+    snap = torch.load(work / "faulty.pt", weights_only=True)
+    for key, value in snap.items():
+        if key == "model":
+            print(f"{key:10} {len(value)} tensors, no 'module.' prefix: "
+                  f"{not any(k.startswith('module.') for k in value)}")
+        elif key == "optimizer":
+            print(f"{key:10} momentum buffers for {len(value['state'])} parameters")
+        elif key == "rng":
+            print(f"{key:10} one CPU generator state per rank: {[r['torch'].shape for r in value]}")
+        else:
+            print(f"{key:10} {value}")
 
 # %% [markdown]
 # ### Why the write must be atomic

@@ -23,7 +23,7 @@
 # import. So the training lives in `ddp_spawn.py`, and we run it as you would in a terminal.
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 folder = use_lesson("03_ddp_spawn")
 
@@ -35,10 +35,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import DistributedSampler
 
-from dpt.data import load_tensors, prepare
+from dpt.data import is_present, load_tensors, prepare
 from dpt.models import ConvNet
 
-prepare("fashion-mnist")
+DATASET = "mnist" if is_present("mnist") else "fashion-mnist"  # MNIST after `make data`
+prepare(DATASET)
+
+# %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
 
 # %% [markdown]
 # ## Who is who: machines, processes, ranks
@@ -60,9 +66,10 @@ prepare("fashion-mnist")
 # **evaluation** they do: the repeated samples are counted twice. Look at 5 samples on 2 ranks:
 
 # %%
-for rank in range(2):
-    s = DistributedSampler(range(5), num_replicas=2, rank=rank, shuffle=False)
-    print(f"rank {rank} evaluates samples {list(s)}")
+with needs_tasks():
+    for rank in range(2):
+        s = DistributedSampler(range(5), num_replicas=2, rank=rank, shuffle=False)
+        print(f"rank {rank} evaluates samples {list(s)}")
 
 # %% [markdown]
 # Sample 0 appears on both ranks: 6 samples counted instead of 5. Your `evaluate` (03.5) must
@@ -74,36 +81,39 @@ for rank in range(2):
 # goes to one rank (the padded repeat, ringed, makes 12), and `set_epoch` deals a new order.
 
 # %%
-import matplotlib.pyplot as plt
+with needs_tasks():
+    import matplotlib.pyplot as plt
 
-fig, axes = plt.subplots(1, 2, figsize=(8, 2.4), sharey=True)
-for epoch, ax in enumerate(axes):
-    for rank in range(3):
-        s = DistributedSampler(range(11), num_replicas=3, rank=rank, shuffle=True, seed=0)
-        s.set_epoch(epoch)
-        order = list(s)
-        ax.scatter(order, [rank] * len(order), s=80, label=f"rank {rank}")
-        repeats = order[len(range(rank, 11, 3)):]  # positions past the data: padding
-        ax.scatter(repeats, [rank] * len(repeats), s=260, facecolors="none", edgecolors="k")
-    ax.set(title=f"epoch {epoch}", xlabel="sample", xticks=range(11), yticks=range(3))
-axes[0].set_ylabel("rank")
-plt.tight_layout()
-plt.show()
-#
-# ## Train on two ranks
-#
-# The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`
-# wrapped in DDP on its half of every epoch, and rank 0 saves a checkpoint after each epoch.
-# We train on a fifth of Fashion-MNIST and test on 2001 samples (odd, so one rank's share is
-# padded) to stay quick.
+    fig, axes = plt.subplots(1, 2, figsize=(8, 2.4), sharey=True)
+    for epoch, ax in enumerate(axes):
+        for rank in range(3):
+            s = DistributedSampler(range(11), num_replicas=3, rank=rank, shuffle=True, seed=0)
+            s.set_epoch(epoch)
+            order = list(s)
+            ax.scatter(order, [rank] * len(order), s=80, label=f"rank {rank}")
+            repeats = order[len(range(rank, 11, 3)):]  # positions past the data: padding
+            ax.scatter(repeats, [rank] * len(repeats), s=260, facecolors="none", edgecolors="k")
+        ax.set(title=f"epoch {epoch}", xlabel="sample", xticks=range(11), yticks=range(3))
+    axes[0].set_ylabel("rank")
+    plt.tight_layout()
+    plt.show()
+    #
+    # ## Train on two ranks
+    #
+    # The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`
+    # wrapped in DDP on its half of every epoch, and rank 0 saves a checkpoint after each epoch.
+    # We train on a fifth of the training set and test on 2001 samples (odd, so one rank's share is
+    # padded) to stay quick.
 
 # %%
-work = Path(tempfile.mkdtemp(prefix="l03-"))
-cmd = [sys.executable, str(folder / "ddp_spawn.py"), "-g", "2", "--device", "cpu",
-       "--epochs", "2", "--train-limit", "12000", "--test-limit", "2001", "--no-progress",
-       "--timeout", "120", "--checkpoint", str(work / "ck.pt")]
-run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-print(run.stdout[-2000:], run.stderr[-2000:])
+with needs_tasks():
+    work = Path(tempfile.mkdtemp(prefix="l03-"))
+    cmd = [sys.executable, str(folder / "ddp_spawn.py"), "--dataset", DATASET, "-g", "2",
+           "--device", "cpu",
+           "--epochs", "2", "--train-limit", "12000", "--test-limit", "2001", "--no-progress",
+           "--timeout", "120", "--checkpoint", str(work / "ck.pt")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(run.stdout[-2000:], run.stderr[-2000:])
 
 # %% [markdown]
 # Now check the claim of 03.4 and 03.5 from the outside: the checkpoint loads into a plain
@@ -111,14 +121,15 @@ print(run.stdout[-2000:], run.stderr[-2000:])
 # it gives exactly the count the two ranks reported together.
 
 # %%
-state = torch.load(work / "ck.pt", weights_only=True)
-model = ConvNet()
-model.load_state_dict(state["model"])
-model.eval()
-x, y = load_tensors("fashion-mnist", train=False, limit=2001)
-with torch.no_grad():
-    correct = int((model(x).argmax(1) == y).sum())
-print(f"epoch {state['epoch']} checkpoint, evaluated here: {correct}/2001")
+with needs_tasks():
+    state = torch.load(work / "ck.pt", weights_only=True)
+    model = ConvNet()
+    model.load_state_dict(state["model"])
+    model.eval()
+    x, y = load_tensors(DATASET, train=False, limit=2001)
+    with torch.no_grad():
+        correct = int((model(x).argmax(1) == y).sum())
+    print(f"epoch {state['epoch']} checkpoint, evaluated here: {correct}/2001")
 
 # %% [markdown]
 # ## Effective batch size

@@ -27,7 +27,7 @@ import pytorch_lightning as pl
 import torch
 from lit_fashion import FashionDataModule, LitClassifier
 
-from dpt.data import DataError
+from dpt.data import MNIST, DataError, add_dataset_argument
 from dpt.device import mps_available
 from dpt.dist import set_threads, threads_per_rank
 
@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--strategy", default="auto", choices=CPU_STRATEGIES + GPU_STRATEGIES)
     ap.add_argument("--precision", default="32-true", choices=PRECISIONS)
-    ap.add_argument("--dataset", default="fashion-mnist")
+    add_dataset_argument(ap, default=MNIST)  # the Lightning MNIST notebook's dataset
     ap.add_argument("--batch-size", type=int, default=16, help="per device (default 16, as in the Lightning MNIST notebook)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--hidden-dim", type=int, default=128)

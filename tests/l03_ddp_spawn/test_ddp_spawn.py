@@ -24,6 +24,10 @@ from tests.l03_ddp_spawn import rank_fns
 from tests.lessons import REPO, script
 
 LESSON = "03_ddp_spawn"
+
+# The lesson's default dataset is MNIST (as in the tutorials it follows); the tests use
+# Fashion-MNIST, which `make test` always provides (MNIST needs `make data`).
+FASHION = ("--dataset", "fashion-mnist")
 WS = 2
 
 
@@ -232,7 +236,7 @@ SMALL = ("--train-limit", "128", "--test-limit", "51", "--batch-size", "32", "--
     (("-n", "2", "-g", "1", "-nr", "1"), "master-port"),
 ])
 def test_cli_refuses_bad_launches_in_one_line(argv, words):
-    proc = run_script(script(LESSON, "ddp_spawn.py"), *argv, timeout=45)
+    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, *argv, timeout=45)
     assert words.lower() in one_line_error(proc).lower()
 
 
@@ -241,7 +245,7 @@ def test_cli_refuses_bad_launches_in_one_line(argv, words):
 def test_cli_corrupted_checkpoint_is_one_line(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint" * 10)
-    proc = run_script(script(LESSON, "ddp_spawn.py"), "--resume", str(bad), *SMALL,
+    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, "--resume", str(bad), *SMALL,
                       timeout=120)
     assert "corrupted" in one_line_error(proc)
     assert proc.returncode == 2
@@ -252,7 +256,7 @@ def test_cli_corrupted_checkpoint_is_one_line(tmp_path):
 @pytest.mark.timeout(240)
 def test_the_script_trains_saves_and_reports_the_accuracy_of_the_whole_test_set(tmp_path):
     ck = tmp_path / "ck.pt"
-    proc = run_script(script(LESSON, "ddp_spawn.py"), "-g", "2", "--epochs", "2",
+    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, "-g", "2", "--epochs", "2",
                       "--checkpoint", str(ck), *SMALL, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     reported = proc.stdout.split("test accuracy:")[1].split("(")[1].split(")")[0]
@@ -273,7 +277,7 @@ def test_the_script_trains_saves_and_reports_the_accuracy_of_the_whole_test_set(
 @pytest.mark.timeout(90)
 def test_cli_unreachable_master_fails_after_the_timeout_in_one_line():
     start = time.monotonic()
-    proc = run_script(script(LESSON, "ddp_spawn.py"), "-n", "2", "-g", "1", "-nr", "1",
+    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, "-n", "2", "-g", "1", "-nr", "1",
                       "--master-addr", "192.0.2.1", "--master-port", str(find_free_port()),
                       "--timeout", "3", *SMALL, timeout=75)
     line = one_line_error(proc)
@@ -287,7 +291,7 @@ def test_cli_unreachable_master_fails_after_the_timeout_in_one_line():
 def test_cli_a_failing_rank_stops_the_others_and_leaves_no_process():
     marker, env = _marker_env()
     # the lesson's script with a fault injected by the test (rank 1 raises in its 1st epoch)
-    proc = run_script(Path(__file__).with_name("failing_rank.py"), "-g", "2",
+    proc = run_script(Path(__file__).with_name("failing_rank.py"), *FASHION, "-g", "2",
                       "--timeout", "60", *SMALL, timeout=120, env=env)
     assert "rank 1 fails on purpose" in one_line_error(proc)
     deadline = time.monotonic() + 5
@@ -303,7 +307,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
     port = str(find_free_port())
     marker, env = _marker_env()
     ck = tmp_path / "ck.pt"
-    base = [sys.executable, str(script(LESSON, "ddp_spawn.py")), "-n", "2", "-g", "1",
+    base = [sys.executable, str(script(LESSON, "ddp_spawn.py")), *FASHION, "-n", "2", "-g", "1",
             "--master-port", port, "--threads", "1", "--checkpoint", str(ck), *SMALL]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1", **env)
     nodes = [subprocess.Popen([*base, "-nr", str(nr)], stdout=subprocess.PIPE,
