@@ -65,6 +65,20 @@ def pending_task(exc: BaseException) -> str | None:
 
 
 _SKIPPED: list[str] = []  # tasks a cell of this kernel found not done yet, in order
+# What a cell raises when an earlier, skipped cell did not make what it uses: a variable, a
+# dict entry, a list item, or a file (a checkpoint a skipped run would have written).
+DEPENDENT = (NameError, KeyError, IndexError, FileNotFoundError)
+
+
+def check_run(proc, what: str = "the script") -> None:
+    """Raise if a script run with ``subprocess`` failed, with the end of its output.
+
+    Inside ``needs_tasks()`` a failure caused by a task not done yet (its traceback names it)
+    becomes a ``skipped:`` line; any other failure shows what the script printed.
+    """
+    if proc.returncode != 0:
+        out = ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
+        raise RuntimeError(f"{what} exited with {proc.returncode}:\n{out}")
 
 
 @contextlib.contextmanager
@@ -74,14 +88,14 @@ def needs_tasks():
     ``with needs_tasks(): ...`` around a cell's code lets a student with half a lesson done run
     the notebook to the end: cells whose tasks are done show their results, the others print
     ``skipped: this cell needs Task NN.K`` instead of a traceback. A later cell that uses what a
-    skipped cell would have made (a NameError, KeyError or IndexError after a skip) is skipped
-    too, naming that task; before any skip those errors are raised as usual.
+    skipped cell would have made (a NameError, KeyError, IndexError or FileNotFoundError after
+    a skip) is skipped too, naming that task; before any skip those errors are raised as usual.
     """
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is a pending task
         task = pending_task(exc)
-        if task is None and isinstance(exc, (NameError, KeyError, IndexError)) and _SKIPPED:
+        if task is None and isinstance(exc, DEPENDENT) and _SKIPPED:
             # what an earlier skipped cell would have made is missing
             task = _SKIPPED[0]
             print(f"skipped: this cell needs {task} (it uses what an earlier skipped cell "
