@@ -86,10 +86,9 @@ def _cat_bucketed_class():
 
 
 def _counting_mode():
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
-
-    import torch
 
     class Count(TorchDispatchMode):
         """New tensors (storages no input had) and bytes written by copy ops."""
