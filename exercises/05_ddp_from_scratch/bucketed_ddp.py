@@ -68,7 +68,7 @@ class BucketedDDP(OverlapDDP):
         """Buckets of parameters, one flat buffer each (allocated here, once), views into it."""
         index = assign_buckets(self.params, self.bucket_cap_mb)
         self.buckets: list[list[nn.Parameter]] = [[self.params[i] for i in b] for b in index]
-        self.buffers: list[torch.Tensor] = []
+        self.bucket_buffers: list[torch.Tensor] = []
         self.views: list[list[torch.Tensor]] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         for b, bucket in enumerate(self.buckets):
@@ -82,7 +82,7 @@ class BucketedDDP(OverlapDDP):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self.bucket_of[id(p)] = (b, i)
-            self.buffers.append(flat)
+            self.bucket_buffers.append(flat)
             self.views.append(views)
         self.ready = [0] * len(self.buckets)  # gradients in the bucket so far, this step
         if self.gradient_as_bucket_view:

@@ -79,7 +79,7 @@ class BucketedDDP(OverlapDDP):
         """Buckets of parameters, one flat buffer each (allocated here, once), views into it."""
         index = assign_buckets(self.params, self.bucket_cap_mb)
         self.buckets: list[list[nn.Parameter]] = [[self.params[i] for i in b] for b in index]
-        self.buffers: list[torch.Tensor] = []
+        self.bucket_buffers: list[torch.Tensor] = []
         self.views: list[list[torch.Tensor]] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
         for b, bucket in enumerate(self.buckets):
@@ -93,7 +93,7 @@ class BucketedDDP(OverlapDDP):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self.bucket_of[id(p)] = (b, i)
-            self.buffers.append(flat)
+            self.bucket_buffers.append(flat)
             self.views.append(views)
         self.ready = [0] * len(self.buckets)  # gradients in the bucket so far, this step
         if self.gradient_as_bucket_view:
@@ -122,7 +122,7 @@ class BucketedDDP(OverlapDDP):
                     param.grad = view
             self.ready[b] += 1
             if self.ready[b] == len(self.buckets[b]):
-                self.pending.append((dist.all_reduce(self.buffers[b], async_op=True), b))
+                self.pending.append((dist.all_reduce(self.bucket_buffers[b], async_op=True), b))
 
         for bucket in self.buckets:
             for p in bucket:
@@ -150,7 +150,7 @@ class BucketedDDP(OverlapDDP):
                                f"trainable parameter")
         for work, b in self.pending:
             work.wait()
-            self.buffers[b].div_(self.world_size)
+            self.bucket_buffers[b].div_(self.world_size)
             if not self.gradient_as_bucket_view:
                 for p, view in zip(self.buckets[b], self.views[b]):
                     p.grad.copy_(view)

@@ -226,7 +226,7 @@ def ref_bucket_hooks(self):
                 param.grad = view
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b]):
-            self.pending.append((dist.all_reduce(self.buffers[b], async_op=True), b))
+            self.pending.append((dist.all_reduce(self.bucket_buffers[b], async_op=True), b))
 
     for bucket in self.buckets:
         for p in bucket:
@@ -244,7 +244,7 @@ def ref_bucket_finish(self):
         raise RuntimeError("reference: a bucket never became ready (unused parameter)")
     for work, b in self.pending:
         work.wait()
-        self.buffers[b].div_(self.world_size)
+        self.bucket_buffers[b].div_(self.world_size)
         if not self.gradient_as_bucket_view:
             for p, view in zip(self.buckets[b], self.views[b]):
                 p.grad.copy_(view)
@@ -496,7 +496,7 @@ def view_bucket_rank(rank, world_size, set_to_none, steps=3, task=None):
     apply_patches(parts_except("bucketed", task))
     module = build("toy", seed=rank)
     model = wrap("bucketed", module, bucket_cap_mb=600 / 2**20, as_view=True)
-    buffers = [b.data_ptr() for b in model.buffers]
+    buffers = [b.data_ptr() for b in model.bucket_buffers]
     opt = SGD(model.parameters(), lr=0.2, momentum=0.9)
     views_ok, same_buffers = [], []
     for step in range(steps):
@@ -507,7 +507,7 @@ def view_bucket_rank(rank, world_size, set_to_none, steps=3, task=None):
         views_ok.append(all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()
                             for bucket, vs in zip(model.buckets, model.views)
                             for p, v in zip(bucket, vs)))
-        same_buffers.append([b.data_ptr() for b in model.buffers] == buffers)
+        same_buffers.append([b.data_ptr() for b in model.bucket_buffers] == buffers)
         opt.step()
     return {"state": _cpu_state(module), "views_ok": views_ok, "same_buffers": same_buffers}
 

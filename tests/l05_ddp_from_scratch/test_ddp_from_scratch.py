@@ -36,23 +36,32 @@ def _scaled(grads, factor):
     return {k: v * factor for k, v in grads.items()}
 
 
-def _likely_cause(out: dict, truth: dict, rank: int) -> str | None:
-    """Name the classic bug behind a mismatch, from where each rank started and its first grads."""
-    start = rf._cpu_state(rf.build(truth["model_name"], seed=0))
+def _wrong_start(out: dict, model_name: str, rank: int) -> str | None:
+    start = rf._cpu_state(rf.build(model_name, seed=0))
     off = [k for k, v in start.items() if not torch.equal(out["init_state"][k], v)]
     if off:
         return (f"rank {rank} did not start from rank 0's weights and buffers ({off}): "
                 f"missing broadcast of the initial parameters and buffers?")
-    got, ref = out.get("first_grads"), truth["first_grads"]
+    return None
+
+
+def _wrong_gradients(out: dict, ref: dict, rank: int) -> str | None:
+    """Name the classic bug behind wrong gradients at step(), from the first step's."""
+    got = out.get("first_grads")
     if got is None or _close(got, ref):
         return None
+    extra = sorted(got.keys() - ref.keys())
+    if extra:
+        return (f"rank {rank}: parameters that need no gradient have one ({extra}): frozen "
+                f"parameters must be neither reduced nor given a gradient")
     if _close(got, _scaled(ref, WORLD)):
         return (f"rank {rank}'s gradients at step() are {WORLD}.0x (world size) the single "
                 f"process's: missing divide by world size (or a divide done before wait(), "
                 f"which the arriving sum then overwrites)?")
     if _close(got, _scaled(ref, 1 / WORLD)):
         return f"rank {rank}'s gradients are 1/{WORLD} of the truth: divided twice?"
-    if _close(got, out["local_first_grads"]):
+    local = out["local_first_grads"]
+    if _close(got, local) or _close(got, _scaled(local, 1 / WORLD)):
         return (f"rank {rank}'s gradients at step() are its own, unreduced: missing wait() "
                 f"before using them (the all-reduce had not arrived), or no all-reduce?")
     keys = [k for k in ref if k not in got or not torch.allclose(got[k], ref[k])]
@@ -60,10 +69,14 @@ def _likely_cause(out: dict, truth: dict, rank: int) -> str | None:
 
 
 def _check_against_truth(results, model_name="toy"):
-    truth = rf.train_single(model_name, STEPS) | {"model_name": model_name}
-    for rank, out in enumerate(results):
-        cause = _likely_cause(out, truth, rank)
+    truth = rf.train_single(model_name, STEPS)
+    for rank, out in enumerate(results):  # a wrong start explains everything after it
+        cause = _wrong_start(out, model_name, rank)
         assert cause is None, cause
+    for rank, out in enumerate(results):
+        cause = _wrong_gradients(out, truth["first_grads"], rank)
+        assert cause is None, cause
+    for rank, out in enumerate(results):
         assert out["state"].keys() == truth["state"].keys()
         for key, value in truth["state"].items():
             torch.testing.assert_close(out["state"][key], value, rtol=1e-9, atol=1e-10,
@@ -360,3 +373,56 @@ def test_wrappers_mirror_torch_ddp_interface():
         assert issubclass(klass, load(LESSON, "ddp_base").DDPBase), cls
         for attr in ("forward", "no_sync", "finish_gradient_synchronization"):
             assert callable(getattr(klass, attr)), f"{cls}.{attr}"
+
+
+class _FakeWork:
+    def wait(self, timeout=None):
+        return True
+
+
+@pytest.mark.parametrize("variant,kw", [("naive", {}), ("overlap", {}),
+                                        ("bucketed", {"bucket_cap_mb": PARTIAL_MB}),
+                                        ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "as_view": True})])
+def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
+    """With rank_device() patched to 'meta', no tensor may land anywhere else: a model, batch,
+    bucket or collective input built on a hard-coded CPU would show up here (on a GPU machine
+    it would meet NCCL, which takes only CUDA tensors)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dpt.dist
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(dpt.dist, "rank_device", lambda: meta)
+    seen = []
+
+    def record(tensors):
+        seen.extend(str(t.device) for t in tensors)
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        record([t])
+        return _FakeWork() if async_op else None
+
+    def batch_isend_irecv(ops):
+        record([op.tensor for op in ops])
+        return [_FakeWork() for _ in ops]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src=0, group=None, async_op=False: record([t]))
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+
+    module = rf.build("toy", seed=1)
+    model = rf.wrap(variant, module, kw.get("bucket_cap_mb", 25.0), kw.get("as_view", False))
+    opt = rf.SGD(model.parameters(), lr=0.1)
+    x, y = rf._slice("toy", 0, 0, WORLD)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    load(LESSON, "collectives").ring_all_reduce(torch.ones(10, device=meta))
+    tensors = [*module.parameters(), *module.buffers(), *getattr(model, "bucket_buffers", [])]
+    off = sorted({str(t.device) for t in tensors} | set(seen))
+    assert seen and off == ["meta"], f"tensors off rank_device(): {off}"
