@@ -10,6 +10,8 @@ missing divide by the world size, this rank's own gradients a missing wait().
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -412,6 +414,8 @@ def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
     monkeypatch.setattr(dist, "broadcast", lambda t, src=0, group=None, async_op=False: record([t]))
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
+                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
 
     module = rf.build("toy", seed=1)
     model = rf.wrap(variant, module, kw.get("bucket_cap_mb", 25.0), kw.get("as_view", False))
