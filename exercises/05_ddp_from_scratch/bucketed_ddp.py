@@ -23,7 +23,9 @@ reaches its bucket in one of two ways, as in torch DDP:
   once and ``.grad`` pointed back at its view.
 
 When every gradient of a bucket is in, the buffer itself is all-reduced asynchronously, one
-call per bucket; ``finish_gradient_synchronization`` waits and divides. The alternative, a
+call per bucket; ``finish_gradient_synchronization`` waits and divides. (Torch DDP divides
+while copying in, saving a pass over the bucket; dividing after the wait keeps one rule for
+both ways.) The alternative, a
 new ``torch.cat`` of the gradients on every step, allocates a bucket-sized tensor per bucket
 per step and still copies twice; ``benchmarks/bench_l05_bucket_buffers.py`` measures both.
 

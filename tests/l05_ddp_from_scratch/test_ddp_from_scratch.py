@@ -199,6 +199,24 @@ def test_no_sync_skips_communication():
     assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
 
 
+@pytest.mark.task("05.9")
+def test_no_sync_restores_the_flag_after_an_error_and_when_nested():
+    no_sync = load(LESSON, "ddp_base").DDPBase.no_sync
+    model = SimpleNamespace(require_sync=True)
+    with pytest.raises(KeyError), no_sync(model):
+        assert model.require_sync is False, "inside no_sync(), require_sync must be False"
+        raise KeyError("raised inside the block")
+    assert model.require_sync is True, (
+        "after a block that raised, no_sync() left syncing off: restore it in a finally:")
+    with no_sync(model):
+        with no_sync(model):
+            pass
+        assert model.require_sync is False, (
+            "leaving an inner no_sync() turned syncing back on inside the outer one: restore "
+            "the value saved on entry, not True")
+    assert model.require_sync is True
+
+
 # --------------------------------------------------------------------------- overlap DDP
 @pytest.mark.task("05.4")
 @pytest.mark.parametrize("model_name", ["toy", "tied_emb"])
