@@ -64,8 +64,8 @@ def _wrong_gradients(out: dict, ref: dict, rank: int) -> str | None:
         return f"rank {rank}'s gradients are 1/{WORLD} of the truth: divided twice?"
     local = out["local_first_grads"]
     if _close(got, local) or _close(got, _scaled(local, 1 / WORLD)):
-        return (f"rank {rank}'s gradients at step() are its own, unreduced: missing wait() "
-                f"before using them (the all-reduce had not arrived), or no all-reduce?")
+        return (f"rank {rank}'s gradients at step() are its own, unreduced: a missing wait() "
+                f"(the sum had not arrived), or the reduced values never reached .grad?")
     keys = [k for k in ref if k not in got or not torch.allclose(got[k], ref[k])]
     return f"rank {rank}'s gradients at step() differ from the single process's in {keys}"
 
