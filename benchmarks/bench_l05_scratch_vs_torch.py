@@ -1,11 +1,12 @@
 """Lesson 05: step throughput of the hand-written DDPs against torch DDP, in one run.
 
-World size 2, gloo, one thread per rank, seed 003's ConvNet (without batch norm, so no
+World size 2, gloo, one thread per rank, the course's ConvNet (without batch norm, so no
 wrapper has buffers to keep in sync) on a synthetic batch of ``--batch`` images per rank:
 a compute-bound configuration (about 26k parameters, 0.1 MB of gradients, against tens of
 milliseconds of convolution). The variants are interleaved inside one process group, each
 repeat in a rotated order; every block is ``--steps`` steps after a barrier, its time the
-slowest rank's. Reported: median time per step, the same step under ``no_sync()`` (compute
+slowest rank's. Tensors and models live on ``dpt.dist.rank_device()``, and the clock is read
+after synchronizing that device. Reported: median time per step, the same step under ``no_sync()`` (compute
 only), their difference (communication and waiting), and throughput relative to torch DDP.
 
     python benchmarks/bench_l05_scratch_vs_torch.py --repeats 7
@@ -48,15 +49,18 @@ def bench_rank(rank, world_size, batch, steps, repeats, warmup):
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from dpt.device import synchronize
+    from dpt.dist import rank_device
     from dpt.models import ConvNet
 
+    dev = rank_device()
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, 1, 28, 28, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 1, 28, 28, generator=g).to(dev)
+    y = torch.randint(0, 10, (batch,), generator=g).to(dev)
     runs = {}
     for name in VARIANTS:
         torch.manual_seed(0)
-        model = _wrap(name, ConvNet(batch_norm=False))
+        model = _wrap(name, ConvNet(batch_norm=False).to(dev))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         finish = getattr(model, "finish_gradient_synchronization", lambda: None)
 
@@ -74,10 +78,12 @@ def bench_rank(rank, world_size, batch, steps, repeats, warmup):
 
     def block(fn, n):
         dist.barrier()
+        synchronize(dev)
         start = time.perf_counter()
         for _ in range(n):
             fn()
-        t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64)
+        synchronize(dev)
+        t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
@@ -91,7 +97,8 @@ def bench_rank(rank, world_size, batch, steps, repeats, warmup):
             for kind in ("step", "compute"):
                 times[name][kind].append(block(runs[name][kind], steps))
     grad_bytes = sum(p.numel() * p.element_size() for p in ConvNet(batch_norm=False).parameters())
-    return {"times": times, "threads": torch.get_num_threads(), "grad_bytes": grad_bytes}
+    return {"times": times, "threads": torch.get_num_threads(), "grad_bytes": grad_bytes,
+            "backend": dist.get_backend()}
 
 
 def summarize(raw: dict) -> dict:
@@ -152,7 +159,8 @@ def main(argv=None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     result = {"config": vars(args) | {"world_size": 2, "threads_per_rank": raw["threads"],
                                       "model": "ConvNet(batch_norm=False)",
-                                      "grad_bytes": raw["grad_bytes"], "backend": "gloo"},
+                                      "grad_bytes": raw["grad_bytes"],
+                                      "backend": raw["backend"]},
               "summary": rows, "raw_seconds_per_step": raw["times"]}
     (OUT / "l05_scratch_vs_torch.json").write_text(json.dumps(result, indent=2))
     plot(rows, OUT / "l05_scratch_vs_torch.png",

@@ -14,9 +14,15 @@ Gloo (the CPU backend) has no ``reduce_scatter``; :func:`reduce_scatter` below b
 ``all_reduce`` there, so the check runs everywhere.
 
 :func:`ring_all_reduce` (task 05.1) is the algorithm NCCL and gloo use for large messages,
-written with point-to-point ``isend``/``recv``: N-1 steps of reduce-scatter around the ring,
-then N-1 steps of all-gather. Each rank sends ``2 (N-1)/N * bytes`` in total, which gives the
+written with point-to-point sends and receives: N-1 steps of reduce-scatter around the ring,
+then N-1 steps of all-gather. In each step a rank sends to its right neighbour and receives
+from its left one, both posted together (``dist.batch_isend_irecv``): NCCL needs a send and
+its matching receive grouped, and a rank that blocked in ``recv`` before its own send was
+posted could wait forever. Each rank sends ``2 (N-1)/N * bytes`` in total, which gives the
 ring model ``t = alpha + 2 (N-1)/N * bytes / bandwidth``.
+
+Every rank function here builds its tensors on ``dpt.dist.rank_device()`` (the GPU under
+NCCL, the CPU under gloo), and the timers synchronize that device before reading the clock.
 
 Timing study (rank processes started by ``dpt.testing.run_distributed``)::
 
@@ -35,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dpt.device import synchronize
+
 
 def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
     """``dist.reduce_scatter``, or an all-reduce of every chunk where the backend lacks it."""
@@ -48,27 +56,29 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
 
 def check_collectives(rank: int, world_size: int) -> dict[str, list]:
     """Run each collective on small tensors and assert what it must return (rank fn)."""
-    n = world_size
+    from dpt.dist import rank_device
+
+    n, dev = world_size, rank_device()
     out = {}
     # broadcast: rank 0 holds [0, 1, 2]; everyone else holds junk until the call.
-    t = torch.arange(3.0) if rank == 0 else torch.full((3,), -1.0)
+    t = torch.arange(3.0, device=dev) if rank == 0 else torch.full((3,), -1.0, device=dev)
     dist.broadcast(t, src=0)
-    assert torch.equal(t, torch.arange(3.0)), t
+    assert torch.equal(t, torch.arange(3.0, device=dev)), t
     out["broadcast"] = t.tolist()
     # all_reduce: rank r holds r + 1 everywhere; the sum is n (n + 1) / 2.
-    t = torch.full((2,), float(rank + 1))
+    t = torch.full((2,), float(rank + 1), device=dev)
     dist.all_reduce(t)
-    assert torch.equal(t, torch.full((2,), n * (n + 1) / 2)), t
+    assert torch.equal(t, torch.full((2,), n * (n + 1) / 2, device=dev)), t
     out["all_reduce"] = t.tolist()
     # all_gather: rank r contributes [r, 10 r]; everyone gets the list in rank order.
-    mine = torch.tensor([rank, 10.0 * rank])
-    gathered = [torch.empty(2) for _ in range(n)]
+    mine = torch.tensor([rank, 10.0 * rank], device=dev)
+    gathered = [torch.empty(2, device=dev) for _ in range(n)]
     dist.all_gather(gathered, mine)
-    assert all(torch.equal(g, torch.tensor([r, 10.0 * r])) for r, g in enumerate(gathered))
+    assert all(torch.equal(g.cpu(), torch.tensor([r, 10.0 * r])) for r, g in enumerate(gathered))
     out["all_gather"] = [g.tolist() for g in gathered]
     # reduce_scatter: rank r sends chunk j = [r + j]; rank j receives sum over r of (r + j).
-    chunks = [torch.tensor([float(rank + j)]) for j in range(n)]
-    got = torch.empty(1)
+    chunks = [torch.tensor([float(rank + j)], device=dev) for j in range(n)]
+    got = torch.empty(1, device=dev)
     reduce_scatter(got, chunks)
     expected = sum(r + rank for r in range(n))
     assert got.item() == expected, (got, expected)
@@ -77,29 +87,33 @@ def check_collectives(rank: int, world_size: int) -> dict[str, list]:
 
 
 def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place, with a ring of isend/recv; return it.
+    """Sum ``tensor`` over all ranks, in place, with a ring of sends and receives; return it.
 
     The flat tensor is cut into N chunks (``torch.tensor_split``, so sizes need not divide).
     Reduce-scatter: at step s, rank r sends chunk (r - s) mod N to its right neighbour and adds
     the chunk (r - s - 1) mod N it receives from its left one. After N-1 steps rank r owns the
     full sum of chunk (r + 1) mod N. All-gather: N-1 more steps pass the finished chunks on.
+    Each step posts its send and its receive together (``dist.P2POp`` + ``batch_isend_irecv``)
+    and waits for both before using what arrived.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    raise NotImplementedError("Task 05.1: reduce-scatter then all-gather around the ring with isend + recv")
+    raise NotImplementedError("Task 05.1: reduce-scatter, then all-gather, chunk by chunk around the ring")
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
         dist.barrier()
+        synchronize(device)  # on a GPU, kernels queued earlier must not count
         start = time.perf_counter()
         fn()
+        synchronize(device)  # the clock reads finished work, not queued work
         times.append(time.perf_counter() - start)
     # The slowest rank decides when a collective is done.
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
@@ -109,13 +123,16 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def time_all_reduce(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> dict:
     """Median seconds of ``ring_all_reduce`` and ``dist.all_reduce`` per size in bytes (rank fn)."""
+    from dpt.dist import rank_device
+
+    dev = rank_device()
     rows = []
     for nbytes in sizes:
-        x = torch.ones(max(1, nbytes // 4))
+        x = torch.ones(max(1, nbytes // 4), device=dev)
         ring_all_reduce(x.clone())  # warm the connection up
         rows.append({"bytes": x.numel() * 4,
-                     "ring_s": _median_seconds(lambda x=x: ring_all_reduce(x), repeats),
-                     "torch_s": _median_seconds(lambda x=x: dist.all_reduce(x), repeats)})
+                     "ring_s": _median_seconds(lambda x=x: ring_all_reduce(x), repeats, dev),
+                     "torch_s": _median_seconds(lambda x=x: dist.all_reduce(x), repeats, dev)})
     return {"world_size": world_size, "rows": rows}
 
 
@@ -155,7 +172,7 @@ def plot_timings(result: dict, path: Path | None = None):
     n, rows = result["world_size"], result["rows"]
     sizes = [r["bytes"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label, marker in (("ring_s", "ring by hand (isend/recv)", "o"),
+    for key, label, marker in (("ring_s", "ring by hand (send/recv)", "o"),
                                ("torch_s", "dist.all_reduce", "s")):
         times = [r[key] for r in rows]
         fit = try_fit_ring_model(sizes, times, n)

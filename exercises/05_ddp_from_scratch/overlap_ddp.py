@@ -11,8 +11,9 @@ that gradient (``async_op=True`` returns a handle at once). Backward goes on com
 the network works. ``finish_gradient_synchronization()`` waits on every handle, then divides.
 
 Without the wait, ``optimizer.step()`` could read a gradient the network has not finished
-summing. Frozen parameters get no hook (``register_post_accumulate_grad_hook`` refuses them);
-a tied parameter gets one hook, which fires once per backward after both uses are summed.
+summing; dividing before the wait would divide a gradient the network is still writing.
+Frozen parameters get no hook (``register_post_accumulate_grad_hook`` refuses them); a tied
+parameter gets one hook, which fires once per backward, after both uses are summed.
 
 A parameter that gets no gradient in a step never fires its hook; the finish call then raises
 a ``RuntimeError`` naming it instead of leaving ranks waiting on each other.
@@ -20,45 +21,31 @@ a ``RuntimeError`` naming it instead of leaving ranks waiting on each other.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
-from naive_ddp import broadcast_state, trainable_parameters
+from ddp_base import DDPBase
 from torch import nn
 
 
-class OverlapDDP(nn.Module):
+class OverlapDDP(DDPBase):
     def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-        self.world_size = dist.get_world_size()
-        self.require_sync = True
-        broadcast_state(self.module)
-        self.params = trainable_parameters(self.module)
-        self.names = {id(p): n for n, p in self.module.named_parameters()}
-        self.pending: list[tuple[dist.Work, nn.Parameter]] = []  # filled by the hooks
+        super().__init__(module)
+        # (handle, parameter) per launched all-reduce. Holding the parameter keeps its .grad,
+        # the tensor being reduced, alive until wait() has returned.
+        self.pending: list[tuple[dist.Work, nn.Parameter]] = []
         self.hook_handles = []
         self._register_hooks()
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        previous = self.require_sync
-        self.require_sync = False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
-
     def _register_hooks(self) -> None:
-        """One hook per parameter in ``self.params``: launch an async all-reduce of its grad."""
-        raise NotImplementedError("Task 05.4: register_post_accumulate_grad_hook on each p in self.params; if self.require_sync, append (dist.all_reduce(p.grad, async_op=True), p) to self.pending")
+        """Hook every parameter of ``self.params`` so that, when its gradient is ready and
+        ``self.require_sync`` is True, an async all-reduce of that gradient is launched and
+        recorded in ``self.pending`` as ``(handle, parameter)``."""
+        raise NotImplementedError("Task 05.4: a post-accumulate-grad hook per parameter launches an async all-reduce")
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every launched all-reduce, then divide each gradient by the world size."""
+        """Once it returns, every ``.grad`` of ``self.params`` is the mean over the ranks and
+        ``self.pending`` is empty. A parameter that launched nothing raises a RuntimeError
+        naming it. Does nothing when ``self.require_sync`` is False."""
         if not self.require_sync:
             return
-        raise NotImplementedError("Task 05.5: raise RuntimeError if a param in self.params launched nothing; else wait each handle in self.pending, divide its grad, clear the list")
+        raise NotImplementedError("Task 05.5: check every parameter launched; finish each pending all-reduce; average")

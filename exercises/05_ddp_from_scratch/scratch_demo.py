@@ -1,9 +1,10 @@
 """Rank functions the lesson 05 notebook launches (notebook code cannot be pickled for new
 processes, so the code each rank runs lives here, in an importable file).
 
-:func:`compare_rank` trains seed 000's MLP for a few SGD steps with every wrapper of this
-lesson and with torch DDP, each rank on its half of one Fashion-MNIST batch, and returns the
-weights, so the notebook can compare them with one process trained on the whole batch.
+:func:`compare_rank` trains the course's small MLP (from PyTorch's MNIST example) for a few
+SGD steps with every wrapper of this lesson and with torch DDP, each rank on its half of one
+Fashion-MNIST batch, and returns the weights, so the notebook can compare them with one
+process trained on the whole batch. Models and batches go to ``dpt.dist.rank_device()``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ WRAPPERS = {
     "naive": NaiveDDP,
     "overlap": OverlapDDP,
     "bucketed": lambda m: BucketedDDP(m, bucket_cap_mb=0.1),
+    "bucketed, grads as views": lambda m: BucketedDDP(m, bucket_cap_mb=0.1,
+                                                     gradient_as_bucket_view=True),
     "torch DDP": DistributedDataParallel,
 }
 
 
-def make_model(seed: int):
+def make_model(seed: int, device: torch.device | str = "cpu"):
     from dpt.models import MLP
 
     torch.manual_seed(seed)
-    return MLP()
+    return MLP().to(device)
 
 
 def train(model, x, y, steps: int, sync=lambda: None):
@@ -42,12 +45,16 @@ def train(model, x, y, steps: int, sync=lambda: None):
 
 def compare_rank(rank: int, world_size: int, x, y, steps: int = 5) -> dict:
     """Train each wrapper from rank-dependent weights on this rank's slice; return states."""
+    from dpt.dist import rank_device
+
+    device = rank_device()
     per_rank = x.shape[0] // world_size
-    xr, yr = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    xr = x[rank * per_rank:(rank + 1) * per_rank].to(device)
+    yr = y[rank * per_rank:(rank + 1) * per_rank].to(device)
     states = {}
     for name, wrapper in WRAPPERS.items():
-        model = wrapper(make_model(seed=rank))  # different start per rank: broadcast fixes it
+        model = wrapper(make_model(seed=rank, device=device))  # different start: broadcast fixes it
         sync = getattr(model, "finish_gradient_synchronization", lambda: None)
         train(model, xr, yr, steps, sync)
-        states[name] = {k: v.clone() for k, v in model.module.state_dict().items()}
+        states[name] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return states

@@ -1,22 +1,26 @@
 # %% [markdown]
 # # Lesson 05: DDP from scratch
 #
-# Seed 003 says what `DistributedDataParallel` does: every process runs its own forward and
-# backward, and "the gradients are all-reduced across the GPUs ... concurrently with the
-# backwards pass". This lesson builds that, one small diff at a time, and checks every step
+# PyTorch's DDP notes say what `DistributedDataParallel` does: every process runs its own
+# forward and backward, and the gradients are all-reduced across processes while backward is
+# still running. This lesson builds that, one small diff at a time, and checks every step
 # against a single process trained on the whole batch and against torch's own DDP.
+#
+# The three wrappers share one base, `ddp_base.DDPBase` (broadcast of the initial weights,
+# `forward`, `no_sync`); each variant adds only how and when it talks. Stuck on a task? The
+# lesson folder's `HINTS.md` has hints in increasing detail.
 #
 # | task | where | what it does |
 # |---|---|---|
-# | 05.1 | `collectives.ring_all_reduce` | all-reduce from `isend`/`recv` around a ring |
-# | 05.2 | `naive_ddp.broadcast_state` | start every rank from rank 0's parameters and buffers |
+# | 05.1 | `collectives.ring_all_reduce` | all-reduce from sends and receives around a ring |
+# | 05.2 | `ddp_base.broadcast_state` | start every rank from rank 0's parameters and buffers |
 # | 05.3 | `NaiveDDP.finish_gradient_synchronization` | all-reduce every gradient, divide by N |
 # | 05.4 | `OverlapDDP._register_hooks` | launch an async all-reduce as each gradient is ready |
 # | 05.5 | `OverlapDDP.finish_gradient_synchronization` | wait for the handles, then divide |
 # | 05.6 | `bucketed_ddp.assign_buckets` | group parameters into buckets, last layer first |
-# | 05.7 | `BucketedDDP._register_hooks` | all-reduce a flattened bucket once it is complete |
-# | 05.8 | `BucketedDDP.finish_gradient_synchronization` | wait, divide, unflatten into `.grad` |
-# | 05.9 | `NaiveDDP.no_sync` | skip the sync for gradient accumulation |
+# | 05.7 | `BucketedDDP._register_hooks` | put ready gradients in their bucket; all-reduce a full bucket |
+# | 05.8 | `BucketedDDP.finish_gradient_synchronization` | wait, divide, give the gradients their values |
+# | 05.9 | `DDPBase.no_sync` | skip the sync for gradient accumulation |
 #
 # Several processes cannot run functions defined in a notebook (each rank is a fresh process
 # that imports the function by name), so every rank runs code from the lesson files, launched
@@ -80,7 +84,10 @@ plt.show()
 # * **overlap** (`overlap_ddp.py`): a `register_post_accumulate_grad_hook` per parameter
 #   launches `dist.all_reduce(grad, async_op=True)` while backward goes on;
 #   `finish_gradient_synchronization()` waits.
-# * **bucketed** (`bucketed_ddp.py`): the same, but per bucket of gradients, flattened.
+# * **bucketed** (`bucketed_ddp.py`): the same, but per bucket of gradients. Each bucket owns
+#   one flat buffer, allocated once; a gradient is copied into its slice when ready (torch
+#   DDP's default), or *is* its slice (`gradient_as_bucket_view=True`), and one all-reduce per
+#   bucket sums the buffer in place.
 #
 # Each rank starts from *different* random weights (seeded by rank), trains on its half of a
 # batch of 64 Fashion-MNIST images, and at the end every wrapper must hold the weights of one
@@ -112,12 +119,36 @@ for cap in (0.05, 1e-9, 25):
           [[names[i] for i in b] for b in buckets][:3], "..." if len(buckets) > 3 else "")
 
 # %% [markdown]
+# ## Bucket buffers: allocated once
+#
+# A first version of `BucketedDDP` built each bucket with `torch.cat` on every step: a new
+# bucket-sized tensor per bucket per step, a copy in, and a copy back out. Keeping one buffer
+# per bucket removes the allocation; making `.grad` a view into it
+# (`gradient_as_bucket_view=True`) removes both copies, and one copy of the gradients' memory.
+# `benchmarks/bench_l05_bucket_buffers.py` counts what each does per step and times them side
+# by side; the cell below reads its committed result.
+
+# %%
+buffers_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_bucket_buffers.json"
+if buffers_file.exists():
+    bb = json.loads(buffers_file.read_text())
+    print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
+    for name, r in bb["summary"].items():
+        print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
+              f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
+              f"{r['time_vs_cat_median']:.3f} [{r['time_vs_cat_min']:.3f}, {r['time_vs_cat_max']:.3f}]")
+else:
+    print("run `python benchmarks/bench_l05_bucket_buffers.py` to measure")
+
+# %% [markdown]
 # ## 5. `no_sync()`
 #
 # With gradient accumulation, k micro-batches make one step. Only the last backward needs to
 # talk: inside `with model.no_sync():` the gradients just add up locally, and the sync after
 # the last micro-batch reduces the sum. The tests check that 2 micro-batches with `no_sync`
-# on the first give the same weights as one batch twice the size.
+# on the first give the same weights as one batch twice the size, and count the collectives
+# issued inside `no_sync()`: there must be none (the numbers alone cannot show it, since
+# averaging twice gives the same mean).
 #
 # ## Speed
 #

@@ -3,6 +3,9 @@
 The graded tests check one task at a time: every *other* task the variant needs is replaced
 by the reference version below (``patches``), so a stub fails with its own message and a bug
 in one task does not fail another task's tests. Ungraded tests run the lesson code unpatched.
+
+Every tensor and model a rank function makes is put on ``dpt.dist.rank_device()`` (the GPU
+under NCCL, the CPU under gloo), so the same tests run on N GPUs.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+import dpt.dist
 from tests.lessons import load
 
 LESSON = "05_ddp_from_scratch"
 D_IN, HIDDEN, CLASSES, VOCAB = 6, 12, 5, 10
+
+
+def device() -> torch.device:
+    return dpt.dist.rank_device()
 
 
 # --------------------------------------------------------------------------- toy models
@@ -64,17 +72,20 @@ MODELS = {"toy": ToyNet, "tied_emb": TiedEmbeddingNet}
 
 
 def build(model_name: str, seed: int, **kw) -> nn.Module:
+    """The model, seeded (on the CPU, so every device starts alike), on the rank's device."""
     torch.manual_seed(seed)
-    return MODELS[model_name](**kw).double()
+    return MODELS[model_name](**kw).double().to(device())
 
 
 def global_batch(model_name: str, step: int, n: int = 8):
     g = torch.Generator().manual_seed(1000 + step)
     if model_name == "toy":
         x = torch.randn(n, D_IN, generator=g, dtype=torch.float64)
-        return x, torch.randint(0, CLASSES, (n,), generator=g)
-    x = torch.randint(0, VOCAB, (n, 3), generator=g)
-    return x, torch.randint(0, VOCAB, (n,), generator=g)
+        y = torch.randint(0, CLASSES, (n,), generator=g)
+    else:
+        x = torch.randint(0, VOCAB, (n, 3), generator=g)
+        y = torch.randint(0, VOCAB, (n,), generator=g)
+    return x.to(device()), y.to(device())
 
 
 class SGD:
@@ -87,7 +98,11 @@ class SGD:
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:  # what torch.optim does: zero in place, keep the tensor
+                p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     @torch.no_grad()
     def step(self):
@@ -103,26 +118,36 @@ class SGD:
             p.add_(g, alpha=-self.lr)
 
 
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone().cpu() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+
+
 def train_single(model_name: str, steps: int, lr: float = 0.2, seed: int = 0) -> dict:
-    """The reference: one process, the whole global batch, plain SGD with momentum."""
+    """The reference: one process, the whole global batch, plain SGD with momentum.
+
+    Returns the final state and the gradients of the first step.
+    """
     model = build(model_name, seed)
     opt = SGD(model.parameters(), lr=lr, momentum=0.9)
+    first_grads = None
     for step in range(steps):
         x, y = global_batch(model_name, step)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
+        if first_grads is None:
+            first_grads = _grads(model)
         opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {"state": _cpu_state(model), "first_grads": first_grads}
 
 
 def trainable_numel(model_name: str, **kw) -> int:
     model = MODELS[model_name](**kw)
     return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
-
-
-def param_sizes_in_order(model_name: str) -> list[int]:
-    model = MODELS[model_name]()
-    return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
 # --------------------------------------------------------------------------- references
@@ -165,6 +190,8 @@ def ref_overlap_finish(self):
         return
     launched = {id(p) for _, p in self.pending}
     if any(id(p) not in launched for p in self.params):
+        for work, _ in self.pending:
+            work.wait()
         self.pending.clear()
         raise RuntimeError("reference: a parameter got no gradient (unused)")
     for work, p in self.pending:
@@ -186,14 +213,20 @@ def ref_assign_buckets(params, bucket_cap_mb):
 
 
 def ref_bucket_hooks(self):
+    self._build_buckets()
+
     def hook(param):
         if not self.require_sync:
             return
-        b = self.bucket_of[id(param)]
+        b, i = self.bucket_of[id(param)]
+        view = self.views[b][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b]):
-            flat = torch.cat([p.grad.reshape(-1) for p in self.buckets[b]])
-            self.pending[b] = (dist.all_reduce(flat, async_op=True), flat)
+            self.pending.append((dist.all_reduce(self.bucket_buffers[b], async_op=True), b))
 
     for bucket in self.buckets:
         for p in bucket:
@@ -203,17 +236,18 @@ def ref_bucket_hooks(self):
 def ref_bucket_finish(self):
     if not self.require_sync:
         return
-    if len(self.pending) != len(self.buckets):
+    if {b for _, b in self.pending} != set(range(len(self.buckets))):
+        for work, _ in self.pending:
+            work.wait()
         self.pending.clear()
         self.ready = [0] * len(self.buckets)
         raise RuntimeError("reference: a bucket never became ready (unused parameter)")
-    for b, (work, flat) in sorted(self.pending.items()):
+    for work, b in self.pending:
         work.wait()
-        flat.div_(self.world_size)
-        offset = 0
-        for p in self.buckets[b]:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.bucket_buffers[b].div_(self.world_size)
+        if not self.gradient_as_bucket_view:
+            for p, view in zip(self.buckets[b], self.views[b]):
+                p.grad.copy_(view)
     self.pending.clear()
     self.ready = [0] * len(self.buckets)
 
@@ -222,21 +256,20 @@ def ref_bucket_finish(self):
 TASK_PARTS = {"05.2": "broadcast", "05.3": "naive_finish", "05.4": "overlap_hooks",
               "05.5": "overlap_finish", "05.6": "assign", "05.7": "bucket_hooks",
               "05.8": "bucket_finish", "05.9": "no_sync"}
-VARIANT_TASKS = {"naive": ["05.2", "05.3", "05.9"], "overlap": ["05.2", "05.4", "05.5"],
-                 "bucketed": ["05.2", "05.6", "05.7", "05.8"]}
+VARIANT_TASKS = {"naive": ["05.2", "05.3", "05.9"], "overlap": ["05.2", "05.4", "05.5", "05.9"],
+                 "bucketed": ["05.2", "05.6", "05.7", "05.8", "05.9"]}
 
 
 def apply_patches(parts) -> None:
-    naive, overlap, bucketed = (load(LESSON, m) for m in ("naive_ddp", "overlap_ddp",
-                                                          "bucketed_ddp"))
+    base, naive, overlap, bucketed = (load(LESSON, m) for m in (
+        "ddp_base", "naive_ddp", "overlap_ddp", "bucketed_ddp"))
     for part in parts:
         if part == "broadcast":
-            for mod in (naive, overlap, bucketed):
-                mod.broadcast_state = ref_broadcast_state
+            base.broadcast_state = ref_broadcast_state
         elif part == "naive_finish":
             naive.NaiveDDP.finish_gradient_synchronization = ref_naive_finish
         elif part == "no_sync":
-            naive.NaiveDDP.no_sync = ref_no_sync
+            base.DDPBase.no_sync = ref_no_sync
         elif part == "overlap_hooks":
             overlap.OverlapDDP._register_hooks = ref_overlap_hooks
         elif part == "overlap_finish":
@@ -258,28 +291,37 @@ def parts_except(variant: str, task: str | None) -> list[str]:
     return [TASK_PARTS[t] for t in VARIANT_TASKS[variant] if t != task]
 
 
-def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0):
+def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, as_view: bool = False):
     if variant == "naive":
         return load(LESSON, "naive_ddp").NaiveDDP(module)
     if variant == "overlap":
         return load(LESSON, "overlap_ddp").OverlapDDP(module)
     if variant == "bucketed":
-        return load(LESSON, "bucketed_ddp").BucketedDDP(module, bucket_cap_mb=bucket_cap_mb)
+        return load(LESSON, "bucketed_ddp").BucketedDDP(
+            module, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
     if variant == "torch":
         return TorchDDP(module)
     raise ValueError(variant)
 
 
 # --------------------------------------------------------------------------- instrumentation
-class LazyWork:
-    """A network so slow that nothing arrives before ``wait()``: the sum happens there."""
+class SlowNetworkWork:
+    """An async all-reduce on a network so slow that nothing arrives before ``wait()``.
+
+    The input is captured when the collective is launched, as a real backend reads it then;
+    the sum is written into the tensor only in ``wait()``. So a gradient used before
+    ``wait()`` is still this rank's own, and work done on it between launch and ``wait()``
+    (a division, say) is overwritten, on every run, whatever the machine's timing.
+    """
 
     def __init__(self, real, tensor, kwargs):
         self.real, self.tensor, self.kwargs, self.done = real, tensor, kwargs, False
+        self.sent = tensor.detach().clone()
 
     def wait(self, timeout=None):
         if not self.done:
-            self.real(self.tensor, **self.kwargs)
+            self.real(self.sent, **self.kwargs)  # synchronous: no tensor left to another thread
+            self.tensor.copy_(self.sent)
             self.done = True
         return True
 
@@ -287,66 +329,187 @@ class LazyWork:
         return self.done
 
 
+# isend/irecv are left alone: dist.P2POp accepts only the real functions. Point-to-point
+# traffic is seen through batch_isend_irecv, send and recv.
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter", "reduce_scatter_tensor", "all_reduce_coalesced", "reduce",
+               "send", "recv", "batch_isend_irecv")
+
+
+class CommLog:
+    """Every collective a rank issues: (name, elements, device, inside no_sync?)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, str, bool]] = []
+        self.in_no_sync = False
+
+    def add(self, name, tensors):
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        for t in tensors or [None]:
+            self.calls.append((name, 0 if t is None else t.numel(),
+                               "" if t is None else str(t.device), self.in_no_sync))
+
+    def numel(self, name="all_reduce", in_no_sync=False):
+        return sum(n for c, n, _, flag in self.calls if c == name and flag == in_no_sync)
+
+    def count_in_no_sync(self):
+        return sum(1 for *_, flag in self.calls if flag)
+
+
+def _tensors_of(name, args, kwargs):
+    found = list(args) + list(kwargs.values())
+    out = []
+    for a in found:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, list | tuple):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    out.append(b)
+                elif hasattr(b, "tensor"):  # dist.P2POp
+                    out.append(b.tensor)
+    return out
+
+
 @contextlib.contextmanager
-def instrumented_all_reduce(lazy: bool, log: list):
-    """Record the numel of every all_reduce; with ``lazy``, defer async ones until wait()."""
-    real = dist.all_reduce
+def instrumented(log: CommLog, lazy: bool = False):
+    """Record every collective; with ``lazy``, async all-reduces complete only at wait()."""
+    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
-    def fake(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        log.append(tensor.numel())
+    def counting(name):
+        def fake(*args, **kwargs):
+            log.add(name, _tensors_of(name, args, kwargs))
+            return real[name](*args, **kwargs)
+        return fake
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        log.add("all_reduce", [tensor])
         if async_op and lazy:
-            return LazyWork(real, tensor, {"op": op, "group": group})
-        return real(tensor, op=op, group=group, async_op=async_op)
+            return SlowNetworkWork(real["all_reduce"], tensor, {"op": op, "group": group})
+        return real["all_reduce"](tensor, op=op, group=group, async_op=async_op)
 
-    dist.all_reduce = fake
+    for name in real:
+        setattr(dist, name, counting(name))
+    dist.all_reduce = all_reduce
     try:
-        yield
+        yield log
     finally:
-        dist.all_reduce = real
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+class MarkNoSync:
+    """``model.no_sync()`` that also tells the log the block is running."""
+
+    def __init__(self, model, log: CommLog):
+        self.model, self.log = model, log
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self.model.no_sync():
+            self.log.in_no_sync = True
+            try:
+                yield
+            finally:
+                self.log.in_no_sync = False
 
 
 # --------------------------------------------------------------------------- rank functions
-def _run_steps(model, opt, sync, model_name, rank, world_size, steps, accumulate=1):
+def _slice(model_name, step, rank, world_size):
+    x, y = global_batch(model_name, step)
+    per_rank = x.shape[0] // world_size
+    return x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _run_steps(model, opt, sync, model_name, rank, world_size, steps, accumulate=1,
+               no_sync=None, set_to_none=True, on_first_sync=None):
+    no_sync = no_sync or model.no_sync
     for step in range(steps):
-        x, y = global_batch(model_name, step)
-        per_rank = x.shape[0] // world_size
-        xr = x[rank * per_rank:(rank + 1) * per_rank]
-        yr = y[rank * per_rank:(rank + 1) * per_rank]
-        opt.zero_grad(set_to_none=True)
-        micro = per_rank // accumulate
+        xr, yr = _slice(model_name, step, rank, world_size)
+        opt.zero_grad(set_to_none=set_to_none)
+        micro = xr.shape[0] // accumulate
         for k in range(accumulate):
             xs, ys = xr[k * micro:(k + 1) * micro], yr[k * micro:(k + 1) * micro]
             last = k == accumulate - 1
-            ctx = contextlib.nullcontext() if last else model.no_sync()
-            with ctx:
+            with contextlib.nullcontext() if last else no_sync():
                 (F.cross_entropy(model(xs), ys) / accumulate).backward()
                 sync(model)
+        if step == 0 and on_first_sync is not None:
+            on_first_sync()
         opt.step()
 
 
+def local_first_grads(model_name, rank, world_size):
+    """The gradients this rank computes alone on its slice of step 0, from rank 0's start."""
+    model = build(model_name, seed=0)
+    xr, yr = _slice(model_name, 0, rank, world_size)
+    F.cross_entropy(model(xr), yr).backward()
+    return _grads(model)
+
+
 def train_rank(rank, world_size, variant, model_name="toy", steps=3, task=None,
-               bucket_cap_mb=25.0, lazy=False, accumulate=1, with_torch=False):
+               bucket_cap_mb=25.0, lazy=False, accumulate=1, with_torch=False,
+               as_view=False, set_to_none=True):
     """Train ``variant`` from rank-dependent initial weights; return states and comm log."""
     apply_patches(parts_except(variant, task))
     lr = 0.2
     module = build(model_name, seed=rank)  # different on each rank: the broadcast must fix it
-    model = wrap(variant, module, bucket_cap_mb)
+    model = wrap(variant, module, bucket_cap_mb, as_view)
     assert model.module is module
+    out = {"init_state": _cpu_state(module)}
     opt = SGD(model.parameters(), lr=lr, momentum=0.9)
-    log: list[int] = []
-    with instrumented_all_reduce(lazy, log):
+    log = CommLog()
+
+    def record_first():
+        out["first_grads"] = _grads(module)
+
+    with instrumented(log, lazy):
         _run_steps(model, opt, lambda m: m.finish_gradient_synchronization(), model_name,
-                   rank, world_size, steps, accumulate)
+                   rank, world_size, steps, accumulate, no_sync=MarkNoSync(model, log),
+                   set_to_none=set_to_none, on_first_sync=record_first)
     names = {id(p): n for n, p in module.named_parameters()}
-    out = {"state": {k: v.clone() for k, v in model.module.state_dict().items()},
-           "reduced_numel_per_step": sum(log) / steps,
-           "buckets": [[names[id(p)] for p in b] for b in getattr(model, "buckets", [])]}
+    out.update({
+        "state": _cpu_state(module),
+        "local_first_grads": local_first_grads(model_name, rank, world_size),
+        "reduced_numel_per_step": log.numel("all_reduce") / steps,
+        "collectives_in_no_sync": log.count_in_no_sync(),
+        "devices": sorted({d for *_, d, _ in log.calls if d} | {str(p.device) for p in module.parameters()}),
+        "buckets": [[names[id(p)] for p in b] for b in getattr(model, "buckets", [])]})
+    if as_view:
+        out["grads_are_bucket_views"] = all(
+            p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            for bucket, views in zip(model.buckets, model.views) for p, view in zip(bucket, views))
     if with_torch:
         tmodel = TorchDDP(build(model_name, seed=rank))
         topt = SGD(tmodel.parameters(), lr=lr, momentum=0.9)
         _run_steps(tmodel, topt, lambda m: None, model_name, rank, world_size, steps, accumulate)
-        out["torch_state"] = {k: v.clone() for k, v in tmodel.module.state_dict().items()}
+        out["torch_state"] = _cpu_state(tmodel.module)
     return out
+
+
+def view_bucket_rank(rank, world_size, set_to_none, steps=3, task=None):
+    """Gradients as views into the buckets, with zero_grad(set_to_none) between steps.
+
+    Returns the state after training, and per step whether every ``.grad`` is its bucket's
+    view after the sync and whether the bucket buffers are still the ones built at the start.
+    """
+    apply_patches(parts_except("bucketed", task))
+    module = build("toy", seed=rank)
+    model = wrap("bucketed", module, bucket_cap_mb=600 / 2**20, as_view=True)
+    buffers = [b.data_ptr() for b in model.bucket_buffers]
+    opt = SGD(model.parameters(), lr=0.2, momentum=0.9)
+    views_ok, same_buffers = [], []
+    for step in range(steps):
+        xr, yr = _slice("toy", step, rank, world_size)
+        opt.zero_grad(set_to_none=set_to_none)
+        F.cross_entropy(model(xr), yr).backward()
+        model.finish_gradient_synchronization()
+        views_ok.append(all(p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+                            for bucket, vs in zip(model.buckets, model.views)
+                            for p, v in zip(bucket, vs)))
+        same_buffers.append([b.data_ptr() for b in model.bucket_buffers] == buffers)
+        opt.step()
+    return {"state": _cpu_state(module), "views_ok": views_ok, "same_buffers": same_buffers}
 
 
 def unused_rank(rank, world_size, variant, task=None):
@@ -360,6 +523,8 @@ def unused_rank(rank, world_size, variant, task=None):
     F.cross_entropy(model(x[rank::world_size]), y[rank::world_size]).backward()
     try:
         model.finish_gradient_synchronization()
+    except NotImplementedError:  # a stub (a RuntimeError too) is not a clear error message
+        raise
     except RuntimeError as exc:
         return ("error", str(exc))
     opt.step()
@@ -367,7 +532,11 @@ def unused_rank(rank, world_size, variant, task=None):
 
 
 def collectives_rank(rank, world_size):
-    return load(LESSON, "collectives").check_collectives(rank, world_size)
+    log = CommLog()
+    with instrumented(log):
+        out = load(LESSON, "collectives").check_collectives(rank, world_size)
+    out["devices"] = sorted({d for *_, d, _ in log.calls if d})
+    return out
 
 
 def ring_rank(rank, world_size, shapes):
@@ -375,14 +544,14 @@ def ring_rank(rank, world_size, shapes):
     results = []
     for i, shape in enumerate(shapes):
         g = torch.Generator().manual_seed(rank * 100 + i)
-        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        x = torch.randn(shape, generator=g, dtype=torch.float64).to(device())
         expected = x.clone()
         dist.all_reduce(expected)
         got = ring_all_reduce(x)
         results.append((torch.allclose(got, expected), torch.allclose(x, expected),
                         x.data_ptr() == got.data_ptr()))
     # a non-contiguous view must be reduced in place too
-    base = torch.full((4, 6), float(rank + 1), dtype=torch.float64)
+    base = torch.full((4, 6), float(rank + 1), dtype=torch.float64, device=device())
     view = base.t()
     ring_all_reduce(view)
     results.append((torch.all(base == sum(range(1, world_size + 1))).item(), True, True))

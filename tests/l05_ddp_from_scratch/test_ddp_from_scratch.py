@@ -4,10 +4,13 @@ The truth is a single process trained on the whole global batch, and torch's own
 the same way. Ranks start from *different* weights and buffers (seeded by rank), so a wrapper
 that skips the initial broadcast cannot pass. Graded tests replace every other task of the
 variant with a reference part (see rank_fns.py); the ungraded ones at the end run the lesson
-code as it is.
+code as it is. A mismatch is explained from the first step's gradients: twice the truth is a
+missing divide by the world size, this rank's own gradients a missing wait().
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,16 +23,64 @@ from . import rank_fns as rf
 
 LESSON = "05_ddp_from_scratch"
 STEPS = 3
+WORLD = 2
 TINY_MB = 1e-9        # smaller than any parameter: one parameter per bucket
 HUGE_MB = 1000.0      # larger than the model: one bucket
 PARTIAL_MB = 600 / 2**20  # ToyNet in float64: several buckets, the last one not full
 
 
+def _close(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12) for k in a)
+
+
+def _scaled(grads, factor):
+    return {k: v * factor for k, v in grads.items()}
+
+
+def _wrong_start(out: dict, model_name: str, rank: int) -> str | None:
+    start = rf._cpu_state(rf.build(model_name, seed=0))
+    off = [k for k, v in start.items() if not torch.equal(out["init_state"][k], v)]
+    if off:
+        return (f"rank {rank} did not start from rank 0's weights and buffers ({off}): "
+                f"missing broadcast of the initial parameters and buffers?")
+    return None
+
+
+def _wrong_gradients(out: dict, ref: dict, rank: int) -> str | None:
+    """Name the classic bug behind wrong gradients at step(), from the first step's."""
+    got = out.get("first_grads")
+    if got is None or _close(got, ref):
+        return None
+    extra = sorted(got.keys() - ref.keys())
+    if extra:
+        return (f"rank {rank}: parameters that need no gradient have one ({extra}): frozen "
+                f"parameters must be neither reduced nor given a gradient")
+    if _close(got, _scaled(ref, WORLD)):
+        return (f"rank {rank}'s gradients at step() are {WORLD}.0x (world size) the single "
+                f"process's: missing divide by world size (or a divide done before wait(), "
+                f"which the arriving sum then overwrites)?")
+    if _close(got, _scaled(ref, 1 / WORLD)):
+        return f"rank {rank}'s gradients are 1/{WORLD} of the truth: divided twice?"
+    local = out["local_first_grads"]
+    if _close(got, local) or _close(got, _scaled(local, 1 / WORLD)):
+        return (f"rank {rank}'s gradients at step() are its own, unreduced: a missing wait() "
+                f"(the sum had not arrived), or the reduced values never reached .grad?")
+    keys = [k for k in ref if k not in got or not torch.allclose(got[k], ref[k])]
+    return f"rank {rank}'s gradients at step() differ from the single process's in {keys}"
+
+
 def _check_against_truth(results, model_name="toy"):
-    expected = rf.train_single(model_name, STEPS)
+    truth = rf.train_single(model_name, STEPS)
+    for rank, out in enumerate(results):  # a wrong start explains everything after it
+        cause = _wrong_start(out, model_name, rank)
+        assert cause is None, cause
     for rank, out in enumerate(results):
-        assert out["state"].keys() == expected.keys()
-        for key, value in expected.items():
+        cause = _wrong_gradients(out, truth["first_grads"], rank)
+        assert cause is None, cause
+    for rank, out in enumerate(results):
+        assert out["state"].keys() == truth["state"].keys()
+        for key, value in truth["state"].items():
             torch.testing.assert_close(out["state"][key], value, rtol=1e-9, atol=1e-10,
                                        msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
             if "torch_state" in out:
@@ -39,13 +90,23 @@ def _check_against_truth(results, model_name="toy"):
 
 
 def _train(variant, task, **kw):
-    return run_distributed(rf.train_rank, world_size=2, args=(variant,), kwargs=dict(task=task, **kw),
-                           timeout=60)
+    return run_distributed(rf.train_rank, world_size=WORLD, args=(variant,),
+                           kwargs=dict(task=task, **kw), timeout=60)
+
+
+def _no_collectives_in_no_sync(results, what):
+    for rank, out in enumerate(results):
+        n = out["collectives_in_no_sync"]
+        assert n == 0, (f"rank {rank} issued {n} collective(s) inside no_sync(): {what} must "
+                        f"not communicate there (the numbers can still come out right, since "
+                        f"summing twice and dividing twice averages the same gradients)")
 
 
 # --------------------------------------------------------------------------- collectives
 def test_each_collective_returns_what_it_must():
     results = run_distributed(rf.collectives_rank, world_size=2, timeout=30)
+    for out in results:
+        assert out.pop("devices") == [str(rf.device())], "a collective input off rank_device()"
     for key in ("broadcast", "all_reduce", "all_gather"):
         assert results[0][key] == results[1][key], key
     assert [r["reduce_scatter"] for r in results] == [[1.0], [3.0]]
@@ -111,7 +172,9 @@ def test_naive_matches_single_process_and_torch_ddp(model_name):
 def test_naive_reduces_each_trainable_gradient_once():
     """Frozen parameters are not sent; a tied parameter is sent once."""
     results = _train("naive", "05.3", with_torch=False, steps=1)
-    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy"), (
+        "elements all-reduced per step differ from the trainable ones: a frozen parameter "
+        "reduced, or a tied one twice?")
 
 
 @pytest.mark.task("05.3")
@@ -125,8 +188,33 @@ def test_naive_with_an_unused_parameter_works_or_raises_clearly():
 
 @pytest.mark.task("05.9")
 def test_no_sync_accumulation_equals_one_big_batch():
-    results = _train("naive", "05.9", accumulate=2)
-    _check_against_truth(results)
+    _check_against_truth(_train("naive", "05.9", accumulate=2))
+
+
+@pytest.mark.task("05.9")
+def test_no_sync_skips_communication():
+    """Numbers alone cannot tell: a no_sync() that syncs anyway also averages correctly."""
+    results = _train("naive", "05.9", accumulate=3, steps=2)
+    _no_collectives_in_no_sync(results, "NaiveDDP inside no_sync()")
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+
+
+@pytest.mark.task("05.9")
+def test_no_sync_restores_the_flag_after_an_error_and_when_nested():
+    no_sync = load(LESSON, "ddp_base").DDPBase.no_sync
+    model = SimpleNamespace(require_sync=True)
+    with pytest.raises(KeyError), no_sync(model):
+        assert model.require_sync is False, "inside no_sync(), require_sync must be False"
+        raise KeyError("raised inside the block")
+    assert model.require_sync is True, (
+        "after a block that raised, no_sync() left syncing off: restore it in a finally:")
+    with no_sync(model):
+        with no_sync(model):
+            pass
+        assert model.require_sync is False, (
+            "leaving an inner no_sync() turned syncing back on inside the outer one: restore "
+            "the value saved on entry, not True")
+    assert model.require_sync is True
 
 
 # --------------------------------------------------------------------------- overlap DDP
@@ -140,12 +228,23 @@ def test_overlap_matches_single_process_and_torch_ddp(model_name):
 @pytest.mark.task("05.4")
 def test_overlap_hooks_reduce_each_trainable_gradient_once():
     results = _train("overlap", "05.4", with_torch=False, steps=1)
-    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy"), (
+        "elements all-reduced per step differ from the trainable ones: a tied parameter "
+        "reduced twice?")
 
 
 @pytest.mark.task("05.4")
 def test_overlap_hooks_respect_no_sync():
-    _check_against_truth(_train("overlap", "05.4", accumulate=2))
+    results = _train("overlap", "05.4", accumulate=2)
+    _no_collectives_in_no_sync(results, "the hooks")
+    _check_against_truth(results)
+
+
+@pytest.mark.task("05.4")
+def test_overlap_hooks_launch_from_the_accumulated_gradient_on_a_slow_network():
+    """Hooks that launch on the wrong event (before accumulation) send the wrong tensor."""
+    _check_against_truth(_train("overlap", "05.4", lazy=True, accumulate=2, model_name="tied_emb"),
+                         "tied_emb")
 
 
 @pytest.mark.task("05.5")
@@ -189,7 +288,8 @@ def test_buckets_two_in_reverse_registration_order():
 def test_buckets_several_with_a_partial_last_one():
     bd = load(LESSON, "bucketed_ddp")
     cap = 3 * 4 * 4 / 2**20  # three 4-element float32 tensors
-    assert bd.assign_buckets(_params(4, 4, 4, 4, 4, 4, 4), cap) == [[6, 5, 4], [3, 2, 1], [0]]
+    assert bd.assign_buckets(_params(4, 4, 4, 4, 4, 4, 4), cap) == [[6, 5, 4], [3, 2, 1], [0]], (
+        "the last, partial bucket is missing or the boundaries are off")
     # a tensor larger than the cap gets a bucket of its own, and sizes are in bytes
     assert bd.assign_buckets(_params(2, 100, 2, 2), 16 / 2**20) == [[3, 2], [1], [0]]
     assert bd.assign_buckets(_params(2, 2, dtype=torch.float64), 16 / 2**20) == [[1], [0]]
@@ -211,9 +311,10 @@ def test_bucketed_wrapper_buckets_hold_trainable_parameters_once():
 
 
 @pytest.mark.task("05.7")
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 @pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
-def test_bucketed_matches_single_process_and_torch_ddp(cap):
-    _check_against_truth(_train("bucketed", "05.7", bucket_cap_mb=cap,
+def test_bucketed_matches_single_process_and_torch_ddp(cap, as_view):
+    _check_against_truth(_train("bucketed", "05.7", bucket_cap_mb=cap, as_view=as_view,
                                 with_torch=cap == PARTIAL_MB))
 
 
@@ -227,18 +328,41 @@ def test_bucketed_tied_embedding_model():
 @pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
 def test_bucketed_reduces_every_trainable_gradient_once(cap):
     results = _train("bucketed", "05.7", bucket_cap_mb=cap, with_torch=False, steps=1)
-    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy")
+    assert results[0]["reduced_numel_per_step"] == rf.trainable_numel("toy"), (
+        "elements all-reduced per step differ from the trainable ones: a bucket reduced "
+        "twice, or one never reduced?")
 
 
 @pytest.mark.task("05.7")
-def test_bucketed_hooks_respect_no_sync():
-    _check_against_truth(_train("bucketed", "05.7", accumulate=2, bucket_cap_mb=PARTIAL_MB))
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_bucketed_hooks_respect_no_sync(as_view):
+    results = _train("bucketed", "05.7", accumulate=2, bucket_cap_mb=PARTIAL_MB, as_view=as_view)
+    _no_collectives_in_no_sync(results, "the bucket hooks")
+    _check_against_truth(results)
+
+
+@pytest.mark.task("05.7")
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradients_as_bucket_views_stay_correct_after_zero_grad(set_to_none):
+    """zero_grad(set_to_none=False) zeroes the views in place; True drops them, and the next
+    backward's fresh .grad must be copied in and pointed back at its view."""
+    results = run_distributed(rf.view_bucket_rank, world_size=2, args=(set_to_none,),
+                              kwargs={"task": "05.7"}, timeout=60)
+    truth = rf.train_single("toy", STEPS)
+    for rank, out in enumerate(results):
+        assert all(out["views_ok"]), f"rank {rank}: a .grad is not its bucket's view after the sync"
+        assert all(out["same_buffers"]), f"rank {rank}: the bucket buffers were replaced"
+        for key, value in truth["state"].items():
+            torch.testing.assert_close(out["state"][key], value, rtol=1e-9, atol=1e-10,
+                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
 
 
 @pytest.mark.task("05.8")
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 @pytest.mark.parametrize("cap", [TINY_MB, PARTIAL_MB, HUGE_MB], ids=["tiny", "partial", "huge"])
-def test_bucketed_waits_and_unflattens_on_a_slow_network(cap):
-    _check_against_truth(_train("bucketed", "05.8", bucket_cap_mb=cap, lazy=True))
+def test_bucketed_waits_and_unflattens_on_a_slow_network(cap, as_view):
+    _check_against_truth(_train("bucketed", "05.8", bucket_cap_mb=cap, lazy=True,
+                                as_view=as_view))
 
 
 @pytest.mark.task("05.8")
@@ -253,15 +377,74 @@ def test_bucketed_unused_parameter_raises_clearly_not_hangs():
 @pytest.mark.slow
 @pytest.mark.parametrize("variant,kw", [
     ("naive", {}), ("overlap", {"lazy": True}), ("bucketed", {"bucket_cap_mb": PARTIAL_MB}),
-    ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "accumulate": 2})])
+    ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "accumulate": 2, "as_view": True})])
 def test_unpatched_lesson_code_matches_single_process_and_torch_ddp(variant, kw):
-    _check_against_truth(run_distributed(rf.train_rank, world_size=2, args=(variant,),
-                                         kwargs=dict(kw, with_torch=True), timeout=60))
+    results = run_distributed(rf.train_rank, world_size=2, args=(variant,),
+                              kwargs=dict(kw, with_torch=True), timeout=60)
+    _check_against_truth(results)
+    for out in results:
+        assert out["devices"] == [str(rf.device())], f"a tensor off rank_device(): {out['devices']}"
 
 
 def test_wrappers_mirror_torch_ddp_interface():
     for mod, cls in (("naive_ddp", "NaiveDDP"), ("overlap_ddp", "OverlapDDP"),
                      ("bucketed_ddp", "BucketedDDP")):
         klass = getattr(load(LESSON, mod), cls)
+        assert issubclass(klass, load(LESSON, "ddp_base").DDPBase), cls
         for attr in ("forward", "no_sync", "finish_gradient_synchronization"):
             assert callable(getattr(klass, attr)), f"{cls}.{attr}"
+
+
+class _FakeWork:
+    def wait(self, timeout=None):
+        return True
+
+
+@pytest.mark.parametrize("variant,kw", [("naive", {}), ("overlap", {}),
+                                        ("bucketed", {"bucket_cap_mb": PARTIAL_MB}),
+                                        ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "as_view": True})])
+def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
+    """With rank_device() patched to 'meta', no tensor may land anywhere else: a model, batch,
+    bucket or collective input built on a hard-coded CPU would show up here (on a GPU machine
+    it would meet NCCL, which takes only CUDA tensors)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dpt.dist
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(dpt.dist, "rank_device", lambda: meta)
+    seen = []
+
+    def record(tensors):
+        seen.extend(str(t.device) for t in tensors)
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        record([t])
+        return _FakeWork() if async_op else None
+
+    def batch_isend_irecv(ops):
+        record([op.tensor for op in ops])
+        return [_FakeWork() for _ in ops]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "broadcast", lambda t, src=0, group=None, async_op=False: record([t]))
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
+                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
+
+    module = rf.build("toy", seed=1)
+    model = rf.wrap(variant, module, kw.get("bucket_cap_mb", 25.0), kw.get("as_view", False))
+    opt = rf.SGD(model.parameters(), lr=0.1)
+    x, y = rf._slice("toy", 0, 0, WORLD)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        model.finish_gradient_synchronization()
+        opt.step()
+    load(LESSON, "collectives").ring_all_reduce(torch.ones(10, device=meta))
+    tensors = [*module.parameters(), *module.buffers(), *getattr(model, "bucket_buffers", [])]
+    off = sorted({str(t.device) for t in tensors} | set(seen))
+    assert seen and off == ["meta"], f"tensors off rank_device(): {off}"
