@@ -118,8 +118,12 @@ def pytest_collection_modifyitems(config, items):
         keep = [i for i in items if dict(i.user_properties).get("task") in wanted]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
-    collected = config.stash[_COLLECTED]
-    for item in items:
+
+
+def pytest_collection_finish(session):
+    """Count the graded tests per task that will run (after -m/-k deselection)."""
+    collected = session.config.stash[_COLLECTED]
+    for item in session.items:
         task = dict(item.user_properties).get("task")
         if task is not None:
             collected[task] = collected.get(task, 0) + 1
