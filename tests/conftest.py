@@ -63,6 +63,7 @@ def pytest_configure(config):
     config.stash[_SCORES] = defaultdict(new_entry)
     config.stash[_FAILURES] = []
     config.stash[_COLLECTED] = {}
+    config.stash[_TEST_IDS] = {}
     if config.getoption("--grade") and config.option.verbose <= 0 and not _one_lesson(config):
         # A whole-course grade: one line per failing test and the table, not every traceback.
         # `-v`, or one lesson (`make grade LESSON=03`), shows the tracebacks.
@@ -85,6 +86,7 @@ def _one_lesson(config) -> bool:
 _SCORES = pytest.StashKey[dict]()
 _FAILURES = pytest.StashKey[list]()
 _COLLECTED = pytest.StashKey[dict]()
+_TEST_IDS = pytest.StashKey[dict]()
 
 
 def pytest_report_header(config):
@@ -127,6 +129,7 @@ def pytest_collection_finish(session):
         task = dict(item.user_properties).get("task")
         if task is not None:
             collected[task] = collected.get(task, 0) + 1
+            session.config.stash[_TEST_IDS][item.nodeid] = task
 
 
 def _log(config, **line) -> None:
@@ -247,6 +250,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             "tasks": {t: dict(v, state=task_state(v), points=points_for(t))
                       for t, v in scores.items()},
             "collected": config.stash[_COLLECTED],
+            "tests": config.stash[_TEST_IDS],
             "complete": not skipped_tests}, indent=2))
 
 
