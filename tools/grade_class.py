@@ -241,6 +241,7 @@ class Isolation:
     pidns: bool
     uid: bool
     notes: list[str]
+    read_only: list[str] = field(default_factory=list)
 
 
 def probe_isolation(args) -> Isolation:
@@ -254,6 +255,7 @@ def probe_isolation(args) -> Isolation:
     net = found["net"] == "ok" and not args.allow_network
     pidns = found["pidns"] == "ok"
     uid = found["root"] and found["uid"] == "ok"
+    read_only = protected_paths() if found.get("ro") == "ok" else []
     notes = []
     if args.allow_network:
         notes.append("network: allowed (--allow-network)")
@@ -274,8 +276,24 @@ def probe_isolation(args) -> Isolation:
         notes.append("user: the grader's own user: the code can write wherever you can, and "
                      "RLIMIT_NPROC counts all your processes (the limit is set above your "
                      "current count)")
+    notes.append("files: read-only for the code (own mount namespace): "
+                 + ", ".join(read_only) if read_only else
+                 f"files: no mount namespace ({found.get('ro')}): the course checkout, venv "
+                 "and data are protected only by file permissions")
     notes.append(f"memory: RLIMIT_AS {args.mem_gb:g} GiB per process")
-    return Isolation(found["root"], net, pidns, uid, notes)
+    return Isolation(found["root"], net, pidns, uid, notes, read_only)
+
+
+def protected_paths() -> list[str]:
+    """What the sandboxed code must not change: the course checkout, the Python it runs on,
+    the data (and where its links point). Never a folder that holds the temporary copies."""
+    paths = {REPO, Path(sys.prefix), Path(sys.base_prefix), (REPO / "data").resolve()}
+    data = REPO / "data"
+    if data.is_dir():
+        paths |= {p.resolve() for p in data.iterdir() if p.is_symlink()}
+    tmp = Path(tempfile.gettempdir()).resolve()
+    keep = {p.resolve() for p in paths if p.exists()}
+    return sorted(str(p) for p in keep if not tmp.is_relative_to(p) and p != Path("/"))
 
 
 def _user_process_count() -> int:
@@ -354,6 +372,8 @@ class Sandbox:
                 sandbox += ["--net", "none"]
             if self.iso.pidns:
                 sandbox += ["--pidns"]
+            for path in self.iso.read_only:
+                sandbox += ["--ro", path]
             if uid is not None:
                 sandbox += ["--uid", str(uid), "--nproc", str(args.nproc)]
             elif not self.iso.root:

@@ -14,6 +14,8 @@ What it sets up, each part only where the OS allows it (``--probe`` says which):
 - ``--uid N`` (root only): the command runs as user N, which owns nothing in the course, so it
   can neither change the course checkout, the venv, the data nor the grader's files; and
   RLIMIT_NPROC, which root ignores, then bounds the command's processes and threads.
+- ``--ro PATH`` (repeatable): PATH is read-only for the command (a bind mount in a new mount
+  namespace): the course checkout, the venv and the data stay intact even without ``--uid``.
 - ``--mem`` (RLIMIT_AS per process), ``--nproc`` (RLIMIT_NPROC), no core files.
 
 It is a separate program started by ``subprocess`` (not a ``preexec_fn``), so the grader can
@@ -55,9 +57,34 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def enter_namespaces(net: bool, pidns: bool) -> None:
-    """unshare the network and/or PID namespace (with a user namespace when not root)."""
-    flags = (CLONE_NEWNET if net else 0) | (CLONE_NEWPID if pidns else 0)
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+
+def _mount(src, target, flags) -> None:
+    if _libc.mount(src, target.encode() if isinstance(target, str) else target, None,
+                   flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def read_only(paths: list[str]) -> None:
+    """In this (new) mount namespace: each path becomes a read-only bind mount of itself."""
+    _mount(None, "/", MS_REC | MS_PRIVATE)  # nothing done here reaches the host's mounts
+    for path in paths:
+        real = os.path.realpath(path).encode()
+        _mount(real, real, MS_BIND | MS_REC)
+        _mount(None, real, MS_REMOUNT | MS_BIND | MS_RDONLY)
+
+
+def enter_namespaces(net: bool, pidns: bool, ro: list[str] | None = None) -> None:
+    """unshare the network, PID and mount namespaces asked for (and a user namespace when
+    not root), bring up loopback, make ``ro`` read-only."""
+    flags = ((CLONE_NEWNET if net else 0) | (CLONE_NEWPID if pidns else 0)
+             | (CLONE_NEWNS if ro else 0))
     if not flags:
         return
     if os.geteuid() != 0:
@@ -70,6 +97,8 @@ def enter_namespaces(net: bool, pidns: bool) -> None:
         _unshare(flags)
     if net:
         loopback_up()
+    if ro:
+        read_only(ro)
 
 
 def loopback_up() -> None:
@@ -132,7 +161,7 @@ def _status(wait_status: int) -> int:
 
 def run(args) -> int:
     try:
-        enter_namespaces(args.net == "none", args.pidns)
+        enter_namespaces(args.net == "none", args.pidns, args.ro)
     except OSError as exc:
         print(f"sandbox: error: cannot make the namespaces asked for: {exc}", file=sys.stderr)
         return 95
@@ -183,6 +212,7 @@ def probe() -> dict:
     return {"root": os.geteuid() == 0,
             "net": attempt(lambda: enter_namespaces(True, False)),
             "pidns": attempt(lambda: enter_namespaces(False, True)),
+            "ro": attempt(lambda: enter_namespaces(False, False, [os.path.dirname(__file__)])),
             "uid": attempt(drop) if os.geteuid() == 0 else "not root: runs as the grader's user"}
 
 
@@ -195,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mem", type=int, default=0, help="RLIMIT_AS in bytes, per process")
     parser.add_argument("--nproc", type=int, default=0, help="RLIMIT_NPROC")
     parser.add_argument("--cwd", default=None)
+    parser.add_argument("--ro", action="append", default=[],
+                        help="make this folder read-only for the command (a mount namespace)")
     parser.add_argument("command", nargs="*")
     args = parser.parse_args(argv)
     if args.probe:
