@@ -151,6 +151,10 @@ def _first_error(report) -> str:
     m = re.search(r"NotImplementedError: (Task [^\n]+)", text)
     if m:
         return "NotImplementedError: " + m.group(1).strip()
+    # A syntax error's first E line is `File "...", line N`: its `SyntaxError: ...` line says more
+    m = re.search(r"^E\s+((?:SyntaxError|IndentationError|TabError)\b[^\n]*)", text, re.M)
+    if m:
+        return m.group(1).strip()[:300]
     for line in text.splitlines():
         if line.startswith("E "):
             return line[1:].strip()[:300]

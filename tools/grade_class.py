@@ -56,6 +56,11 @@ SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", ".ipynb_che
 MAX_SUBMISSION_BYTES = 200 * 2**20
 MAX_LOG_BYTES = 20 * 2**20
 UID_BASE = 200_000
+AFTER_RESULT_GRACE_S = 20
+# A failure that may come from an earlier task's leftovers (a fork bomb's sleeping children,
+# memory held): the tasks failing so after the first one get a second run in a fresh process.
+RESOURCE_ERROR = re.compile(r"BlockingIOError|Resource temporarily unavailable|MemoryError|"
+                            r"Cannot allocate memory|Too many open files|can't start new thread")
 
 
 class GradeError(Exception):
@@ -316,6 +321,7 @@ class Attempt:
     journal: list[dict]
     result: dict | None
     stderr_tail: str
+    hung_after_result: bool = False  # the scores were written, then the process did not end
 
 
 class Sandbox:
@@ -391,10 +397,10 @@ class Sandbox:
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=open(tmp / "stderr.txt", "wb"),  # noqa: SIM115
                                     start_new_session=True)
+            hung_after_result = False
             try:
-                rc = proc.wait(timeout=args.lesson_timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
+                rc = _wait(proc, start + args.lesson_timeout, result_path)
+                hung_after_result = rc is None and result_path.exists()
             finally:
                 try:  # the whole process group; the PID namespace takes the rest
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -403,12 +409,30 @@ class Sandbox:
                 proc.wait()
             seconds = time.monotonic() - start
             return Attempt(rc, seconds, _read_journal(log_path), _read_json(result_path),
-                           _tail(tmp / "stderr.txt"))
+                           _tail(tmp / "stderr.txt"), hung_after_result)
         finally:
             if self.args.keep:
                 print(f"kept {tmp}", file=sys.stderr)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, deadline: float, result_path: Path) -> int | None:
+    """The exit status, or None at the deadline, or None once the scores have been written and
+    the process has not ended within AFTER_RESULT_GRACE_S (left-over children it waits for)."""
+    written_at = None
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return None
+        try:
+            return proc.wait(timeout=min(1.0, deadline - now))
+        except subprocess.TimeoutExpired:
+            pass
+        if written_at is None and result_path.exists():
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > AFTER_RESULT_GRACE_S:
+            return None
 
 
 def course_lesson_name(course: Course, number: str, folder: Path) -> str:
@@ -475,69 +499,103 @@ def _rc_text(rc: int) -> str:
 
 
 def grade_lesson(sandbox: Sandbox, sub: Submission, lesson: str) -> LessonResult:
-    course, args = sandbox.course, sandbox.args
-    expected = course.expected[lesson]
-    tasks = {t: new_entry() for t in course.tasks(lesson)}
-    reasons: dict[str, str] = {}
-    notes: list[str] = []
+    course = sandbox.course
     if lesson not in sub.lessons:
         folder = course.lessons[lesson]
-        for t in tasks:
-            tasks[t]["failed"] = tasks[t]["total"] = 1
-            reasons[t] = f"lesson folder {folder}/ is missing from the submission"
-        notes.append(f"{lesson}: folder {folder}/ missing")
-        return _finish(tasks, reasons, notes, 0.0)
-    done: list[str] = []  # tests finished or blamed, deselected in a rerun
-    seconds = 0.0
+        tasks = {t: dict(new_entry(), failed=1, total=1) for t in course.tasks(lesson)}
+        reasons = {t: f"lesson folder {folder}/ is missing from the submission" for t in tasks}
+        return _finish(tasks, reasons, [f"{lesson}: folder {folder}/ missing"], 0.0)
     uid = sandbox.uids.get()
     try:
-        for _ in range(args.reruns + 1):
-            att = sandbox.run(sub, lesson, done, uid)
-            seconds += att.seconds
-            finished = {ln["nodeid"] for ln in att.journal
-                        if ln.get("when") == "teardown" and ln.get("nodeid") in expected}
-            for ln in att.journal:
-                if ln.get("nodeid") in finished and ln.get("nodeid") not in done:
-                    record(tasks[expected[ln["nodeid"]]], str(ln.get("when")),
-                           str(ln.get("outcome")), str(ln.get("message", ""))[:500])
-            if att.rc is not None and att.result is not None:
-                problem = cross_check(att, expected, done, finished)
-                if problem:
-                    notes.append(f"{lesson}: tampered: {problem}")
-                    return _tampered(tasks, problem, notes, seconds)
-                done += sorted(finished)
-                break
-            started = [ln["start"] for ln in att.journal if isinstance(ln.get("start"), str)]
-            culprit = next((s for s in reversed(started)
-                            if s in expected and s not in finished and s not in done), None)
-            if att.rc is None:
-                why = f"timed out: the lesson ran past its {args.lesson_timeout:g} s limit"
-            elif att.rc in (95, 96):
-                why = "the grader could not start the sandbox: " + att.stderr_tail.strip()[-300:]
-            else:
-                why = (f"the test process died ({_rc_text(att.rc)}): os._exit, a crash, "
-                       "or the memory or process limit")
-            done += sorted(finished - set(done))
-            if culprit is None:
-                notes.append(f"{lesson}: {why}, before any test ran")
-                break
-            task = expected[culprit]
-            tasks[task]["failed"] += 1
-            tasks[task]["total"] += 1
-            reasons.setdefault(task, f"{why}, in {_test_name(culprit)}")
-            notes.append(f"{lesson}: {why}, in {_test_name(culprit)}")
-            done.append(culprit)
-            if not set(expected) - set(done):
-                break
-        # Tests that never ran (the process kept dying, or died before any test): failed.
-        for nodeid in set(expected) - set(done):
-            t = expected[nodeid]
-            tasks[t]["failed"] += 1
-            tasks[t]["total"] += 1
-            reasons.setdefault(t, "not run: " + (notes[-1].split(": ", 1)[-1] if notes
-                                                 else "the test process ended early"))
+        result = _grade_selection(sandbox, sub, lesson, uid, None)
+        if result.tampered:
+            return result
+        # A second chance for tasks that may have failed from an earlier task's leftovers.
+        hit = [t for t, e in result.tasks.items()
+               if e["state"] == "fail" and RESOURCE_ERROR.search(e["reason"])]
+        victims = {t for t, e in result.tasks.items() if e["state"] == "fail"
+                   and RESOURCE_ERROR.search(e["reason"]) and t != min(hit, default=None)}
+        if victims:
+            again = _grade_selection(sandbox, sub, lesson, uid, victims)
+            result.seconds += again.seconds
+            if again.tampered:
+                return again
+            for t in victims:
+                if again.tasks[t]["state"] == "pass":
+                    result.tasks[t] = again.tasks[t]
+                    result.notes.append(f"{lesson}: {t} failed after {min(hit)}'s "
+                                        "resource error, passed when run alone")
+        return result
     finally:
         sandbox.uids.put(uid)
+
+
+def _clean(message: str) -> str:
+    """A message as the student reads it: paths relative to their submission."""
+    return re.sub(r"/\S*?/course/submission/", "", message)[:500]
+
+
+def _grade_selection(sandbox: Sandbox, sub: Submission, lesson: str, uid: int | None,
+                     only: set[str] | None) -> LessonResult:
+    """Run the lesson's tests (of the tasks in ``only``), rerunning after a test kills the
+    process: the test that was running is blamed, the finished ones kept."""
+    course, args = sandbox.course, sandbox.args
+    expected = {i: t for i, t in course.expected[lesson].items() if only is None or t in only}
+    tasks = {t: new_entry() for t in sorted(set(expected.values()))}
+    reasons: dict[str, str] = {}
+    notes: list[str] = []
+    done = [i for i in course.expected[lesson] if i not in expected]  # deselected
+    seconds = 0.0
+    for _ in range(args.reruns + 1):
+        att = sandbox.run(sub, lesson, done, uid)
+        seconds += att.seconds
+        finished = {ln["nodeid"] for ln in att.journal
+                    if ln.get("when") == "teardown" and ln.get("nodeid") in expected}
+        for ln in att.journal:
+            if ln.get("nodeid") in finished and ln.get("nodeid") not in done:
+                record(tasks[expected[ln["nodeid"]]], str(ln.get("when")),
+                       str(ln.get("outcome")), _clean(str(ln.get("message", ""))))
+        if att.result is not None and (att.rc is not None or att.hung_after_result):
+            problem = cross_check(att, expected, done, finished)
+            if problem:
+                notes.append(f"{lesson}: tampered: {problem}")
+                return _tampered(tasks, problem, notes, seconds)
+            if att.hung_after_result:
+                notes.append(f"{lesson}: the test process did not end after its last test "
+                             f"(processes left running?): killed after "
+                             f"{AFTER_RESULT_GRACE_S} s")
+            done += sorted(finished - set(done))
+            break
+        started = [ln["start"] for ln in att.journal if isinstance(ln.get("start"), str)]
+        culprit = next((s for s in reversed(started)
+                        if s in expected and s not in finished and s not in done), None)
+        if att.rc is None:
+            why = f"timed out: the lesson ran past its {args.lesson_timeout:g} s limit"
+        elif att.rc in (95, 96):
+            why = "the grader could not start the sandbox: " + att.stderr_tail.strip()[-300:]
+        else:
+            why = (f"the test process died ({_rc_text(att.rc)}): os._exit, a crash, "
+                   "or the memory or process limit")
+        done += sorted(finished - set(done))
+        if culprit is None:
+            when = "after its last test" if finished else "before any test ran"
+            notes.append(f"{lesson}: {why}, {when}")
+            break
+        task = expected[culprit]
+        tasks[task]["failed"] += 1
+        tasks[task]["total"] += 1
+        reasons.setdefault(task, f"{why}, in {_test_name(culprit)}")
+        notes.append(f"{lesson}: {why}, in {_test_name(culprit)}")
+        done.append(culprit)
+        if not set(expected) - set(done):
+            break
+    # Tests that never ran (the process kept dying, or died before any test): failed.
+    for nodeid in set(expected) - set(done):
+        t = expected[nodeid]
+        tasks[t]["failed"] += 1
+        tasks[t]["total"] += 1
+        reasons.setdefault(t, "not run: " + (notes[-1].split(": ", 1)[-1] if notes
+                                             else "the test process ended early"))
     return _finish(tasks, reasons, notes, seconds)
 
 
