@@ -13,7 +13,7 @@ change sits in 08.1's file, so 08.2 shows what an unaffected task still earns):
 import_loop         zero_accounting.py loops forever at import
 os_exit             measure_bytes calls os._exit(3)
 fork_bomb           measure_bytes forks up to 200 sleeping children (bounded on purpose)
-memory_hog          measure_bytes asks for 4 GiB in one piece (lazily: never touched)
+memory_hog          measure_bytes maps 12 GiB in one piece (lazily: never touched)
 deadlock            measure_bytes starts 2 gloo ranks; rank 0 all-reduces, rank 1 never does
 escape              measure_bytes deletes the grader's tests/ and dpt/, writes a file in the
                     course checkout and its own copy's tests/, then answers correctly
@@ -56,7 +56,9 @@ HOSTILE_BODIES = {
         "    import os\n    import time\n"
         "    for _ in range(200):  # at most 200, each sleeps: bounded even without limits\n"
         "        if os.fork() == 0:\n            time.sleep(120)\n            os._exit(0)"),
-    "memory_hog": "    hog = bytearray(4 << 30)  # 4 GiB reserved, never touched\n    del hog",
+    "memory_hog": ("    import mmap\n"
+                   "    hog = mmap.mmap(-1, 12 << 30)  # 12 GiB of address space, never touched\n"
+                   "    hog.close()"),
     "deadlock": (
         "    import multiprocessing as mp\n    import socket\n"
         "    with socket.socket() as s:\n        s.bind(('127.0.0.1', 0))\n"
