@@ -555,7 +555,12 @@ def _grade_selection(sandbox: Sandbox, sub: Submission, lesson: str, uid: int | 
             if ln.get("nodeid") in finished and ln.get("nodeid") not in done:
                 record(tasks[expected[ln["nodeid"]]], str(ln.get("when")),
                        str(ln.get("outcome")), _clean(str(ln.get("message", ""))))
-        if att.result is not None and (att.rc is not None or att.hung_after_result):
+        ended = att.rc is not None or att.hung_after_result
+        # Scores written but tests unfinished: the session was interrupted (a KeyboardInterrupt,
+        # pytest.exit): handled as a crash, the finished tests kept, the rest run again.
+        interrupted = ended and att.result is not None and not (
+            finished >= set(expected) - set(done))
+        if att.result is not None and ended and not interrupted:
             problem = cross_check(att, expected, done, finished)
             if problem:
                 notes.append(f"{lesson}: tampered: {problem}")
@@ -573,6 +578,8 @@ def _grade_selection(sandbox: Sandbox, sub: Submission, lesson: str, uid: int | 
             why = f"timed out: the lesson ran past its {args.lesson_timeout:g} s limit"
         elif att.rc in (95, 96):
             why = "the grader could not start the sandbox: " + att.stderr_tail.strip()[-300:]
+        elif interrupted:
+            why = f"the test session was interrupted ({_rc_text(att.rc or 0)})"
         else:
             why = (f"the test process died ({_rc_text(att.rc)}): os._exit, a crash, "
                    "or the memory or process limit")
