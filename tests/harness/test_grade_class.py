@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import scoring
 from tests.lessons import REPO
 from tools import grade_class as gc
 from tools import sandbox
@@ -95,7 +96,7 @@ def test_a_result_file_that_disagrees_with_the_reports_is_caught():
 
 
 def test_points_feed_the_gradebook_and_gradescope(tmp_path, monkeypatch):
-    monkeypatch.setitem(gc.points_for.__globals__["POINTS"], "08.2", 3.0)
+    monkeypatch.setitem(scoring.POINTS, "08.2", 3.0)
     course = gc.Course(REPO, {"08": "08_sharding"}, {"08": "tests/l08_sharding"},
                        {"08": {"t::a": "08.1", "t::b": "08.2"}})
     entry = dict(gc.new_entry(), passed=1, total=1)
