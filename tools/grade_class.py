@@ -393,10 +393,10 @@ class Sandbox:
             if self.iso.net:
                 env["GLOO_SOCKET_IFNAME"] = "lo"
             start = time.monotonic()
-            proc = subprocess.Popen([*sandbox, "--", *cmd], cwd=work, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=open(tmp / "stderr.txt", "wb"),  # noqa: SIM115
-                                    start_new_session=True)
+            with open(tmp / "stderr.txt", "wb") as err:
+                proc = subprocess.Popen([*sandbox, "--", *cmd], cwd=work, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=err, start_new_session=True)
             hung_after_result = False
             try:
                 rc = _wait(proc, start + args.lesson_timeout, result_path)
