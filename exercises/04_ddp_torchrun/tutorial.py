@@ -153,7 +153,9 @@ with needs_tasks():
         deadline = time.monotonic() + timeout
         while not snapshot.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the run ended, or took too long, before its first snapshot")
+                log = (work / "faulty.log").read_text()[-3000:]
+                raise RuntimeError("the run ended, or took too long, before its first "
+                                   f"snapshot:\n{log}")
             time.sleep(0.2)
         workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                  text=True).stdout.split()

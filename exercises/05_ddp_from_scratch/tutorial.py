@@ -27,7 +27,7 @@
 # with `dpt.testing.run_distributed`: free port, gloo, one thread per rank, hard timeout.
 
 # %%
-from dpt.notebook import use_lesson
+from dpt.notebook import needs_tasks, use_lesson
 
 use_lesson("05_ddp_from_scratch")
 
@@ -44,6 +44,11 @@ from dpt.models import ConvNet
 from dpt.testing import run_distributed
 
 # %% [markdown]
+# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
+# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
+# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+
+# %% [markdown]
 # ## 1. Collectives by hand
 #
 # `check_collectives` calls `broadcast`, `all_reduce`, `all_gather` and `reduce_scatter` on
@@ -52,9 +57,10 @@ from dpt.testing import run_distributed
 # the reduce-scatter.
 
 # %%
-for rank, out in enumerate(run_distributed(collectives.check_collectives, world_size=3,
-                                           echo=False)):
-    print(f"rank {rank}: {out}")
+with needs_tasks():
+    for rank, out in enumerate(run_distributed(collectives.check_collectives, world_size=3,
+                                               echo=False)):
+        print(f"rank {rank}: {out}")
 
 # %% [markdown]
 # ## The ring all-reduce (task 05.1)
@@ -67,14 +73,15 @@ for rank, out in enumerate(run_distributed(collectives.check_collectives, world_
 # from 1 KB to 4 MB here (the script goes to 64 MB) and fit `a` and the bandwidth.
 
 # %%
-sizes = [2**k for k in range(10, 23, 2)]
-timing = run_distributed(collectives.time_all_reduce, world_size=2, args=(sizes, 3),
-                         timeout=300, echo=False)[0]
-for row in timing["rows"]:
-    print(f"{row['bytes']:>9d} B  ring {row['ring_s'] * 1e3:7.3f} ms  "
-          f"dist.all_reduce {row['torch_s'] * 1e3:7.3f} ms")
-collectives.plot_timings(timing)
-plt.show()
+with needs_tasks():
+    sizes = [2**k for k in range(10, 23, 2)]
+    timing = run_distributed(collectives.time_all_reduce, world_size=2, args=(sizes, 3),
+                             timeout=300, echo=False)[0]
+    for row in timing["rows"]:
+        print(f"{row['bytes']:>9d} B  ring {row['ring_s'] * 1e3:7.3f} ms  "
+              f"dist.all_reduce {row['torch_s'] * 1e3:7.3f} ms")
+    collectives.plot_timings(timing)
+    plt.show()
 
 # %% [markdown]
 # ## 2-4. Three DDPs, checked against one process
@@ -94,14 +101,15 @@ plt.show()
 # process trained on all 64 from rank 0's start.
 
 # %%
-prepare("fashion-mnist", quiet=True)
-x, y = load_tensors("fashion-mnist", train=True, limit=64)
-states = run_distributed(scratch_demo.compare_rank, world_size=2, args=(x, y, 5),
-                         timeout=180, echo=False)
-single = scratch_demo.train(scratch_demo.make_model(seed=0), x, y, steps=5).state_dict()
-for name in states[0]:
-    diff = max((s[name][k] - v).abs().max().item() for s in states for k, v in single.items())
-    print(f"{name:10s} max |w - w_single| over both ranks: {diff:.2e}")
+with needs_tasks():
+    prepare("fashion-mnist", quiet=True)
+    x, y = load_tensors("fashion-mnist", train=True, limit=64)
+    states = run_distributed(scratch_demo.compare_rank, world_size=2, args=(x, y, 5),
+                             timeout=180, echo=False)
+    single = scratch_demo.train(scratch_demo.make_model(seed=0), x, y, steps=5).state_dict()
+    for name in states[0]:
+        diff = max((s[name][k] - v).abs().max().item() for s in states for k, v in single.items())
+        print(f"{name:10s} max |w - w_single| over both ranks: {diff:.2e}")
 
 # %% [markdown]
 # ## Buckets (task 05.6)
@@ -110,13 +118,14 @@ for name in states[0]:
 # registered parameter to the first. Here is ConvNet's gradient, in buckets of 0.05 MB:
 
 # %%
-convnet = ConvNet()
-names = [n for n, p in convnet.named_parameters() if p.requires_grad]
-params = [p for p in convnet.parameters() if p.requires_grad]
-for cap in (0.05, 1e-9, 25):
-    buckets = bucketed_ddp.assign_buckets(params, cap)
-    print(f"cap {cap} MB -> {len(buckets)} bucket(s):",
-          [[names[i] for i in b] for b in buckets][:3], "..." if len(buckets) > 3 else "")
+with needs_tasks():
+    convnet = ConvNet()
+    names = [n for n, p in convnet.named_parameters() if p.requires_grad]
+    params = [p for p in convnet.parameters() if p.requires_grad]
+    for cap in (0.05, 1e-9, 25):
+        buckets = bucketed_ddp.assign_buckets(params, cap)
+        print(f"cap {cap} MB -> {len(buckets)} bucket(s):",
+              [[names[i] for i in b] for b in buckets][:3], "..." if len(buckets) > 3 else "")
 
 # %% [markdown]
 # ## Bucket buffers: allocated once
@@ -129,16 +138,17 @@ for cap in (0.05, 1e-9, 25):
 # by side; the cell below reads its committed result.
 
 # %%
-buffers_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_bucket_buffers.json"
-if buffers_file.exists():
-    bb = json.loads(buffers_file.read_text())
-    print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
-    for name, r in bb["summary"].items():
-        print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
-              f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
-              f"{r['time_vs_cat_median']:.3f} [{r['time_vs_cat_min']:.3f}, {r['time_vs_cat_max']:.3f}]")
-else:
-    print("run `python benchmarks/bench_l05_bucket_buffers.py` to measure")
+with needs_tasks():
+    buffers_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_bucket_buffers.json"
+    if buffers_file.exists():
+        bb = json.loads(buffers_file.read_text())
+        print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
+        for name, r in bb["summary"].items():
+            print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
+                  f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
+                  f"{r['time_vs_cat_median']:.3f} [{r['time_vs_cat_min']:.3f}, {r['time_vs_cat_max']:.3f}]")
+    else:
+        print("run `python benchmarks/bench_l05_bucket_buffers.py` to measure")
 
 # %% [markdown]
 # ## 5. `no_sync()`
@@ -164,22 +174,23 @@ else:
 # (or yours, once you rerun the script):
 
 # %%
-result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
-if result_file.exists():
-    rows = json.loads(result_file.read_text())["summary"]
-    names = list(rows)
-    compute = [rows[n]["compute_s"] * 1e3 for n in names]
-    comm = [rows[n]["comm_s"] * 1e3 for n in names]
-    plt.bar(names, compute, label="compute")
-    plt.bar(names, comm, bottom=compute, label="communication + waiting")
-    for i, n in enumerate(names):
-        plt.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x", ha="center")
-    cfg = json.loads(result_file.read_text())["config"]
-    plt.title(f"{cfg['world_size']} ranks, {cfg['threads_per_rank']} thread each, "
-              f"batch {cfg['batch']} per rank ({cfg['backend']})")
-    plt.ylabel("ms per step")
-    plt.legend()
-    plt.show()
-else:
-    print("run `python benchmarks/bench_l05_scratch_vs_torch.py` to measure; figures are in "
-          "this lesson's README")
+with needs_tasks():
+    result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
+    if result_file.exists():
+        rows = json.loads(result_file.read_text())["summary"]
+        names = list(rows)
+        compute = [rows[n]["compute_s"] * 1e3 for n in names]
+        comm = [rows[n]["comm_s"] * 1e3 for n in names]
+        plt.bar(names, compute, label="compute")
+        plt.bar(names, comm, bottom=compute, label="communication + waiting")
+        for i, n in enumerate(names):
+            plt.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x", ha="center")
+        cfg = json.loads(result_file.read_text())["config"]
+        plt.title(f"{cfg['world_size']} ranks, {cfg['threads_per_rank']} thread each, "
+                  f"batch {cfg['batch']} per rank ({cfg['backend']})")
+        plt.ylabel("ms per step")
+        plt.legend()
+        plt.show()
+    else:
+        print("run `python benchmarks/bench_l05_scratch_vs_torch.py` to measure; figures are in "
+              "this lesson's README")
