@@ -5,6 +5,9 @@ the fp16 recipe (scale, unscale_, clip, skip on inf, back off, grow) is tested h
 CPU scaler. Only the CUDA fp16 kernels themselves are skipped without a GPU.
 """
 
+# Time limits only stop hangs: they leave room for a loaded machine (a 2-core box under a
+# CPU hog runs these several times slower). Nothing here measures speed.
+
 from __future__ import annotations
 
 import copy
@@ -353,7 +356,7 @@ def _compare(amp, factory, steps, batch_size):
 @pytest.mark.task("06.1")
 @pytest.mark.slow  # ~3 s on two idle cores
 @requires_data
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(750)
 def test_bf16_training_on_cpu_learns_as_well_as_fp32_mlp(amp):
     _compare(amp, MLP, steps=300, batch_size=64)
 
@@ -361,7 +364,7 @@ def test_bf16_training_on_cpu_learns_as_well_as_fp32_mlp(amp):
 @pytest.mark.task("06.1")
 @pytest.mark.slow  # ~35 s on two idle cores (bf16 is emulated on CPUs without AVX512-BF16)
 @requires_data
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1000)
 def test_bf16_training_on_cpu_learns_as_well_as_fp32_convnet(amp):
     _compare(amp, ConvNet, steps=100, batch_size=32)
 
@@ -445,12 +448,12 @@ def test_resuming_a_scaled_run_from_a_checkpoint_without_scaler_state_is_an_erro
 # ---------------------------------------------------------------- 06.3 DDP's dtypes
 
 @pytest.mark.task("06.3")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ddp_all_reduces_fp32_gradients_under_bf16_autocast():
     from tests.l06_mixed_precision import rank_fns
 
     load(LESSON, "ddp_amp")
-    results = run_distributed(rank_fns.hook_under_bf16, world_size=2, timeout=90)
+    results = run_distributed(rank_fns.hook_under_bf16, world_size=2, timeout=225)
     for r in results:
         assert r["dtypes"] == ["torch.float32"] and r["n_buckets"] >= 1
         assert r["grad_dtypes"] == ["torch.float32"]
@@ -468,13 +471,13 @@ def test_ddp_all_reduces_fp32_gradients_under_bf16_autocast():
     assert not torch.allclose(results[0]["local_grads"], results[1]["local_grads"])
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_lesson_ddp_training_in_bf16_keeps_ranks_in_sync():
     from tests.l06_mixed_precision import rank_fns
 
     load(LESSON, "ddp_amp")
     results = run_distributed(rank_fns.lesson_train_ddp, world_size=2, args=("bf16",),
-                              timeout=120)
+                              timeout=300)
     for r in results:
         assert r["allreduce_dtypes"] == ["torch.float32"]
         assert r["param_dtypes"] == ["torch.float32"]
@@ -545,18 +548,18 @@ def test_apex_status_explains_itself(apex_amp, monkeypatch):
 # ---------------------------------------------------------------- the scripts
 
 @requires_data
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_amp_cli_shows_a_skipped_step_and_resumes_with_the_scale(tmp_path):
     ckpt = tmp_path / "amp.pt"
     proc = run_script(script(LESSON, "amp_train.py"), "--precision", "32", "--model", "mlp",
                       "--force-scaler", "--init-scale", "1024", "--growth-interval", "100",
                       "--inject-inf", "2", "--steps", "5", "--batch-size", "16",
-                      "--checkpoint", str(ckpt), timeout=100)
+                      "--checkpoint", str(ckpt), timeout=250)
     assert proc.returncode == 0, proc.stderr
     assert "step 2: inf/NaN gradients, step skipped, scale 1024 -> 512" in proc.stdout
     proc = run_script(script(LESSON, "amp_train.py"), "--precision", "32", "--model", "mlp",
                       "--force-scaler", "--steps", "2", "--batch-size", "16",
-                      "--checkpoint", str(ckpt), "--resume", timeout=100)
+                      "--checkpoint", str(ckpt), "--resume", timeout=250)
     assert proc.returncode == 0, proc.stderr
     assert "scaler on, scale 512 | from step 5" in proc.stdout
 
@@ -567,19 +570,19 @@ def test_amp_cli_shows_a_skipped_step_and_resumes_with_the_scale(tmp_path):
     (["--resume"], "--checkpoint"),
 ])
 def test_amp_cli_bad_input_is_one_line(args, words):
-    proc = run_script(script(LESSON, "amp_train.py"), *args, timeout=60)
+    proc = run_script(script(LESSON, "amp_train.py"), *args, timeout=150)
     assert words in one_line_error(proc)
 
 
 def test_ddp_cli_refuses_fp16_on_cpu():
-    proc = run_script(script(LESSON, "ddp_amp.py"), "--precision", "fp16", timeout=60)
+    proc = run_script(script(LESSON, "ddp_amp.py"), "--precision", "fp16", timeout=150)
     assert "CUDA" in one_line_error(proc)
 
 
 def test_apex_cli_catches_the_digit_zero_and_explains_missing_apex():
-    proc = run_script(script(LESSON, "apex_amp.py"), "--opt-level", "01", timeout=60)
+    proc = run_script(script(LESSON, "apex_amp.py"), "--opt-level", "01", timeout=150)
     assert "letter O" in one_line_error(proc)
-    proc = run_script(script(LESSON, "apex_amp.py"), timeout=60)
+    proc = run_script(script(LESSON, "apex_amp.py"), timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert "O2" in proc.stdout and "GradScaler" in proc.stdout
     assert "Apex variant not run" in proc.stdout or "Apex O1" in proc.stdout

@@ -1,5 +1,8 @@
 """Lesson 08: memory accounting, the hand-written sharded optimizer, FSDP2."""
 
+# Time limits only stop hangs: they leave room for a loaded machine (a 2-core box under a
+# CPU hog runs these several times slower). Nothing here measures speed.
+
 from __future__ import annotations
 
 import pytest
@@ -54,11 +57,11 @@ def test_prediction_uses_the_bytes_per_parameter_it_is_given(acc):
 
 @pytest.mark.slow
 @pytest.mark.task("08.1")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_prediction_matches_what_ddp_zero1_and_fsdp_really_allocate(acc):
     """Measured with torch's own DDP, ZeroRedundancyOptimizer and fully_shard, 2 ranks."""
     preds = {s: acc.predict_bytes(P, 2, s) for s in ("ddp", "zero1", "zero3")}
-    ranks = run_distributed(rank_fns.reference_memory, world_size=2, timeout=100)
+    ranks = run_distributed(rank_fns.reference_memory, world_size=2, timeout=250)
     largest = max(p.numel() for p in ConvNet().parameters())
     for stage, pred in preds.items():
         for key in ("params", "grads", "optimizer"):
@@ -114,10 +117,10 @@ def test_partition_uses_every_rank_and_keeps_big_tensors_apart(zo):
 
 
 @pytest.mark.task("08.2")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_the_optimizer_uses_the_balanced_assignment(zo):
     """The default ShardedOptimizer: each rank holds about 1/N of Adam's state."""
-    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=100,
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=250,
                             kwargs={"opt_name": "adam", "steps": 2, "own_partition": True})
     whole = ranks[0]["plain_state_bytes"]
     largest = 8 * max(ranks[0]["sizes"])
@@ -146,10 +149,10 @@ def _step_cause(sharded, plain) -> str:
 
 
 @pytest.mark.task("08.3")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_sharded_optimizer_matches_plain_and_torch_zero(opt_name):
-    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=300,
                             kwargs={"opt_name": opt_name, "steps": 4})
     for r in ranks:
         plain, sharded, torch_zero = r["params"]
@@ -167,9 +170,9 @@ def test_sharded_optimizer_matches_plain_and_torch_zero(opt_name):
 
 
 @pytest.mark.task("08.3")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_each_rank_keeps_state_only_for_the_params_it_owns():
-    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=300,
                             kwargs={"opt_name": "adam", "steps": 2})
     owners = ranks[0]["owners"]
     seen = []
@@ -186,9 +189,9 @@ def test_each_rank_keeps_state_only_for_the_params_it_owns():
 
 
 @pytest.mark.task("08.3")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_adamw_with_param_groups_matches():
-    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=120,
+    ranks = run_distributed(rank_fns.sharded_vs_plain, world_size=2, timeout=300,
                             kwargs={"opt_name": "adamw", "steps": 3})
     for r in ranks:
         plain, sharded, _ = r["params"]
@@ -197,9 +200,9 @@ def test_adamw_with_param_groups_matches():
 
 
 @pytest.mark.task("08.3")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_zero2_reduce_gradients_then_step_matches_ddp():
-    ranks = run_distributed(rank_fns.zero2_vs_plain, world_size=2, timeout=120)
+    ranks = run_distributed(rank_fns.zero2_vs_plain, world_size=2, timeout=300)
     for r in ranks:
         assert r["diff"] < 1e-5
         # after reduce_gradients a rank keeps gradients only for what it owns (4P/N-ish)
@@ -210,9 +213,9 @@ def test_zero2_reduce_gradients_then_step_matches_ddp():
 # --- 08.4 / 08.5 FSDP2 ---------------------------------------------------------------------
 
 @pytest.mark.task("08.4")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
-    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=120,
+    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=300,
                             kwargs={"steps": 4})
     for r in ranks:
         assert r["is_unit"] == {"root": True, "layer1": True, "layer2": True, "fc": True}
@@ -228,9 +231,9 @@ def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
 
 
 @pytest.mark.task("08.5")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(375)
 def test_full_state_dict_on_rank0_equals_ddps():
-    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=120,
+    ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=300,
                             kwargs={"steps": 3, "state_dict": True, "own_shard": False})
     fsdp_sd, ddp_sd = ranks[0]["fsdp_sd"], ranks[0]["ddp_sd"]
     assert set(fsdp_sd) == set(ddp_sd)
@@ -246,17 +249,17 @@ def test_full_state_dict_on_rank0_equals_ddps():
 # --- the scripts (not graded) --------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_lightning_fsdp_explains_itself_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = run_script(script(LESSON, "fsdp2_train.py"), "--lightning", timeout=100)
+    proc = run_script(script(LESSON, "fsdp2_train.py"), "--lightning", timeout=250)
     assert proc.returncode == 2
     assert "GPU" in one_line_error(proc) and "fully_shard" in one_line_error(proc)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_bad_arguments_give_one_line():
-    proc = run_script(script(LESSON, "fsdp2_train.py"), "--nproc", "0", timeout=50)
+    proc = run_script(script(LESSON, "fsdp2_train.py"), "--nproc", "0", timeout=125)
     assert proc.returncode == 2
     assert "at least 1" in one_line_error(proc)
