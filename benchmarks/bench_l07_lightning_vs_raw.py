@@ -7,11 +7,11 @@ times. Two figures: the median epoch, and the median step (an optimizer post-ste
 identical in both loops, stamps every step; bursts of load from other tenants inflate some
 steps and not others, so the median step is the steadier figure on a shared machine).
 
-    python benchmarks/bench_l07_lightning_vs_raw.py --repeats 5      # seed 000's MLP, batch 64
+    python benchmarks/bench_l07_lightning_vs_raw.py --repeats 5      # the Lightning notebook's MLP, batch 64
     python benchmarks/bench_l07_lightning_vs_raw.py --model convnet --batch 128 --repeats 10
     python benchmarks/bench_l07_lightning_vs_raw.py --repeats 5 --sigterm-diagnostic
 
-The Trainer adds a roughly fixed cost per step. Seed 000's MLP takes a few milliseconds per
+The Trainer adds a roughly fixed cost per step. The Lightning notebook's MLP takes a few milliseconds per
 step, so there that cost is a large share; the ConvNet's step is more than ten times longer,
 the compute-bound case. ``--sigterm-diagnostic`` adds a third variant, Lightning without its
 per-step SIGTERM broadcast, to measure that one collective. Writes
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64, help="per rank")
     ap.add_argument("--model", choices=["mlp", "convnet"], default="mlp",
-                    help="mlp: seed 000's MLP(128), the lesson's model; convnet: compute-bound")
+                    help="mlp: the Lightning notebook's MLP(128), the lesson's model; convnet: compute-bound")
     ap.add_argument("--sigterm-diagnostic", action="store_true",
                     help="add a third variant: Lightning with its per-step SIGTERM broadcast "
                          "patched out, to measure what that one collective costs")

@@ -5,7 +5,7 @@ rank, gloo, Adam. The default model is a deep MLP of equal layers (784 -> 1024, 
 ``--layers`` 6 of 1024 -> 1024, then -> 10: about 7.1 M parameters, so the model state is
 over 100 MB and stands out of the process's noise). Equal layers matter for the sharded
 optimizer: it gives each rank whole parameters, so it can only balance a model made of many
-parameters of similar size. ``--layers 0`` is seed 000's one-hidden-layer MLP (``--hidden
+parameters of similar size. ``--layers 0`` is the Lightning notebook's one-hidden-layer MLP (``--hidden
 4096``: one 3.2 M weight holds almost everything, so one rank owns nearly all the optimizer
 state; FSDP2, which shards every parameter, still halves it). Configurations alternate over
 ``--repeats`` rounds; medians are reported. Per rank it records:
@@ -22,7 +22,7 @@ The accounting's prediction for N = 1..8 is drawn as its own dashed line, marked
 this machine has 2 cores, so N > 2 is not measured.
 
     python benchmarks/bench_l08_memory.py --repeats 2
-    python benchmarks/bench_l08_memory.py --layers 0 --hidden 4096   # seed 000's wide MLP
+    python benchmarks/bench_l08_memory.py --layers 0 --hidden 4096   # the Lightning notebook's MLP, made wide
 
 Writes benchmarks/results/l08_memory.json and .png (``l08_memory_wide.*`` with ``--layers 0``).
 """
@@ -59,7 +59,7 @@ def _reset_peak() -> bool:
 
 
 def memory_model(hidden: int, layers: int):
-    """Seed 000's MLP when ``layers`` is 0, else a deep MLP of ``layers`` equal hidden layers."""
+    """The Lightning notebook's MLP when ``layers`` is 0, else a deep MLP of ``layers`` equal hidden layers."""
     from torch import nn
 
     from dpt.models import MLP
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=6,
-                    help="equal hidden layers; 0 = seed 000's one-hidden-layer MLP")
+                    help="equal hidden layers; 0 = the Lightning notebook's one-hidden-layer MLP")
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)

@@ -1,7 +1,7 @@
 """Reference methods the harness itself provides.
 
 - ``single``: lesson 01's loop on the fast path (whole dataset as tensors), one rank only.
-- ``single_dataloader``: seed 003's loop: torchvision dataset, per-sample transform, DataLoader.
+- ``single_dataloader``: the loop of the 'Distributed data parallel training in PyTorch' tutorial: torchvision dataset, per-sample transform, DataLoader.
 - ``independent``: N ranks each training its own model, no communication at all. The ceiling
   data parallelism could reach on this machine: whatever it loses to ideal is the hardware
   (cores, memory bandwidth), not communication.
@@ -39,7 +39,7 @@ def single(ctx: BenchContext):
 
 
 @method("single_dataloader",
-        "one rank, seed 003's loop: torchvision dataset + per-sample transform + DataLoader",
+        "one rank, the loop of the 'Distributed data parallel training in PyTorch' tutorial: torchvision dataset + per-sample transform + DataLoader",
         requires=("data",), max_procs=1)
 def single_dataloader(ctx: BenchContext):
     model = ctx.model().to(ctx.device)

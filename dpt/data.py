@@ -568,11 +568,11 @@ def make_loader(name: str = DEFAULT_DATASET, train: bool = True, batch_size: int
                       sampler=sampler, num_workers=num_workers, generator=generator)
 
 
-# ------------------------------------------------------------------ toy data (seed 004)
+# ------------------------------------------- toy data (PyTorch's DDP tutorial series)
 
 
 class ToyRegression(Dataset):
-    """Seed 004's ``MyTrainDataset``: random inputs of size 20 and targets of size 1,
+    """The ``MyTrainDataset`` of PyTorch's DDP tutorial series: random inputs of size 20 and targets of size 1,
     here drawn from a fixed generator so every rank and every run sees the same data."""
 
     def __init__(self, size: int = 2048, in_features: int = 20, seed: int = 0):
