@@ -70,6 +70,23 @@ _SKIPPED: list[str] = []  # tasks a cell of this kernel found not done yet, in o
 DEPENDENT = (NameError, KeyError, IndexError, FileNotFoundError)
 
 
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The kernel's environment for a script started from a notebook, without launch variables.
+
+    A cell that trained with several processes inside the kernel (Lightning's ``ddp_notebook``,
+    say) leaves ``LOCAL_RANK``, ``MASTER_PORT`` and friends in ``os.environ``. A script that
+    inherits them believes a launcher started it as one rank of a group, and waits forever for
+    the others. Start scripts with ``env=script_env()``.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(extra)
+    return env
+
+
 def check_run(proc, what: str = "the script") -> None:
     """Raise if a script run with ``subprocess`` failed, with the end of its output.
 

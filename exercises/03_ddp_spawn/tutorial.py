@@ -23,7 +23,7 @@
 # import. So the training lives in `ddp_spawn.py`, and we run it as you would in a terminal.
 
 # %%
-from dpt.notebook import check_run, needs_tasks, use_lesson
+from dpt.notebook import check_run, needs_tasks, script_env, use_lesson
 
 folder = use_lesson("03_ddp_spawn")
 
@@ -112,7 +112,7 @@ with needs_tasks():
            "--device", "cpu",
            "--epochs", "2", "--train-limit", "12000", "--test-limit", "2001", "--no-progress",
            "--timeout", "120", "--checkpoint", str(work / "ck.pt")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=script_env())
     check_run(run, "ddp_spawn.py")
     print(run.stdout[-2000:], run.stderr[-2000:])
 

@@ -17,7 +17,7 @@
 # | 07.6 | `lit_migration.migrate_trainer_kwargs` | 1.x `Trainer` kwargs to 2.x |
 
 # %%
-from dpt.notebook import check_run, needs_tasks, use_lesson
+from dpt.notebook import check_run, needs_tasks, script_env, use_lesson
 
 use_lesson("07_lightning")
 
@@ -170,7 +170,7 @@ with needs_tasks():
     from IPython.display import Markdown, display
 
     proc = subprocess.run([sys.executable, lit_migration.__file__], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=script_env())
     check_run(proc, "lit_migration.py")
     display(Markdown("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("|"))))
 
@@ -188,7 +188,8 @@ with needs_tasks():
 # %%
 with needs_tasks():
     proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
-                           "2", "--limit", "1024"], capture_output=True, text=True, timeout=600)
+                           "2", "--limit", "1024"], capture_output=True, text=True, timeout=600,
+                          env=script_env())  # not the ddp_notebook run's LOCAL_RANK, MASTER_PORT
     check_run(proc, "fabric_ddp.py")
     print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")))
 

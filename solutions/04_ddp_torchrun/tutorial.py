@@ -21,7 +21,7 @@
 # Blocks marked "copy your answer from lesson 01/03" are earlier tasks: paste your code.
 
 # %%
-from dpt.notebook import needs_tasks, use_lesson
+from dpt.notebook import needs_tasks, script_env, use_lesson
 
 folder = use_lesson("04_ddp_torchrun")
 
@@ -124,8 +124,8 @@ with needs_tasks():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                str(SCRIPT), *map(str, args)]
-        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
+        env = script_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                         PYTHONUNBUFFERED="1")
         return subprocess.Popen(cmd, stdout=open(work / log, "w"), stderr=subprocess.STDOUT,
                                 env=env)
 

@@ -123,3 +123,15 @@ def test_before_any_skip_a_name_error_is_a_real_error(monkeypatch):
     monkeypatch.setattr(nbk, "_SKIPPED", [])
     with pytest.raises(NameError), nbk.needs_tasks():
         undefined_name  # noqa: B018, F821
+
+
+def test_scripts_started_from_a_notebook_do_not_inherit_a_launch(monkeypatch):
+    # After a ddp_notebook cell the kernel holds these; a script inheriting LOCAL_RANK waits
+    # for ranks that nobody starts (notebook 07's Fabric run hung that way).
+    from dpt.notebook import script_env
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    env = script_env(OMP_NUM_THREADS="1")
+    assert "LOCAL_RANK" not in env and "MASTER_PORT" not in env
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == __import__("os").environ["PATH"]
