@@ -126,8 +126,20 @@ def rank_errors(who: str):
     try:
         yield
     except (*EXPECTED, dist.DistError) as exc:
+        text = str(exc).lower()
+        if os.environ.get(_PORT_CHOSEN) == "1" and ("failed to listen" in text
+                                                    or "address already in use" in text):
+            sys.exit(PORT_TAKEN)  # the launcher picked this port: it picks another and retries
         print(f"error: {who}: {error_line(exc)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+# A free port found in the launcher (bind to port 0, release) is bound by rank 0 a few seconds
+# later; another process can take it in between. Only for a port it chose itself, the launcher
+# then starts again on a new one (a port the user gave is never changed).
+PORT_TAKEN = 3
+_PORT_CHOSEN = "DPT_PORT_CHOSEN"
+PORT_TRIES = 3
 
 
 # ------------------------------------------------------------------ lesson 03: mp.spawn
@@ -194,22 +206,43 @@ def spawn(fn: Callable, args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
     world_size = check_launch(args.nodes, args.gpus, args.nr, args.device)
+    chosen = args.master_port is None and "MASTER_PORT" not in os.environ
     os.environ["MASTER_ADDR"], port = resolve_master(args)
     os.environ["MASTER_PORT"] = str(port)
+    os.environ[_PORT_CHOSEN] = "1" if chosen else "0"
     # c10d's C++ retry warnings (with stack frames) would bury the one-line errors.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     first = args.nr * args.gpus
     print(f"node {args.nr} of {args.nodes}: starting {args.gpus} process(es), global ranks "
           f"{first}..{first + args.gpus - 1} of {world_size}; rendezvous at "
           f"{os.environ['MASTER_ADDR']}:{port}", flush=True)
-    try:
-        mp.spawn(_guarded, args=(fn, args), nprocs=args.gpus, join=True)
-    except mp.ProcessExitedException as exc:
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            mp.spawn(_guarded, args=(fn, args), nprocs=args.gpus, join=True)
+            return
+        except mp.ProcessExitedException as exc:
+            if exc.exit_code == PORT_TAKEN and attempt == PORT_TRIES:
+                raise LaunchError(f"rank 0 could not listen on {PORT_TRIES} free ports in a row: "
+                                  "another program takes them; give one with --master-port"
+                                  ) from None
+            if exc.exit_code != PORT_TAKEN:
+                _launch_failed(exc)
+            taken, port = port, find_free_port()
+            os.environ["MASTER_PORT"] = str(port)
+            print(f"note: port {taken} was taken before rank 0 could listen on it; starting "
+                  f"again on port {port}", flush=True)
+        except mp.ProcessRaisedException as exc:
+            _launch_failed(exc)
+
+
+def _launch_failed(exc) -> None:
+    import torch.multiprocessing as mp
+
+    if isinstance(exc, mp.ProcessExitedException):
         if exc.exit_code == 2:  # the rank printed its error line already
             raise SystemExit(2) from None
         raise LaunchError(f"process {exc.error_index} died with exit code {exc.exit_code}; "
                           "the other processes were stopped") from None
-    except mp.ProcessRaisedException as exc:
-        raise LaunchError(f"process {exc.error_index} failed: "
-                          f"{str(exc).strip().splitlines()[-1]}; the other processes were "
-                          "stopped") from None
+    raise LaunchError(f"process {exc.error_index} failed: "
+                      f"{str(exc).strip().splitlines()[-1]}; the other processes were "
+                      "stopped") from None

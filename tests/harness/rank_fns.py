@@ -36,3 +36,13 @@ def hang_on_rank_0(rank, world_size):
 def print_and_return_tensor(rank, world_size):
     print(f"hello from rank {rank}")
     return torch.full((2,), float(rank))
+
+
+def join_and_barrier(local_rank, args):
+    """What a lesson-03 rank does first: join the group at MASTER_ADDR:MASTER_PORT."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=local_rank, world_size=args.gpus,
+                            timeout=timedelta(seconds=args.timeout))
+    dist.barrier()
+    dist.destroy_process_group()
