@@ -33,7 +33,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,12 +117,11 @@ def _counting_mode():
 
 def bench_rank(rank, world_size, width, depth, batch, bucket_cap_mb, steps, repeats, warmup):
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from bucketed_ddp import BucketedDDP
     from torch import nn
 
-    from dpt.device import synchronize
+    from benchmarks.registry import slowest_rank_seconds
     from dpt.dist import rank_device
 
     dev = rank_device()
@@ -160,15 +158,7 @@ def bench_rank(rank, world_size, width, depth, batch, bucket_cap_mb, steps, repe
         models[name] = model
 
     def block(fn, n):
-        dist.barrier()
-        synchronize(dev)
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        synchronize(dev)
-        t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return slowest_rank_seconds(fn, n, dev)
 
     counts = {}
     for name in VARIANTS:

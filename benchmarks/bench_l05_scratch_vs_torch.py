@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +48,7 @@ def bench_rank(rank, world_size, batch, steps, repeats, warmup):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from dpt.device import synchronize
+    from benchmarks.registry import slowest_rank_seconds
     from dpt.dist import rank_device
     from dpt.models import ConvNet
 
@@ -77,15 +76,7 @@ def bench_rank(rank, world_size, batch, steps, repeats, warmup):
         runs[name] = {"step": step, "compute": compute}
 
     def block(fn, n):
-        dist.barrier()
-        synchronize(dev)
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        synchronize(dev)
-        t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return slowest_rank_seconds(fn, n, dev)
 
     for name in VARIANTS:  # warm-up, both kinds of step
         block(runs[name]["step"], warmup)

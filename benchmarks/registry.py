@@ -61,6 +61,30 @@ class BenchContext:
         return x.to(self.device), y.to(self.device)
 
 
+def slowest_rank_seconds(fn: Callable[[], object], n: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls, as the slowest rank saw them.
+
+    The ranks start together (barrier), the device's queue is drained before each clock read,
+    and the per-rank means are reduced with MAX: a data-parallel step is as slow as its slowest
+    rank. Every rank must call it.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    from dpt.device import synchronize
+
+    dist.barrier()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    synchronize(device)
+    t = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) -> float:
     """The plain training step most methods time: zero, forward, cross-entropy, backward, step."""
     import torch.nn.functional as F
