@@ -284,13 +284,17 @@ def test_machine_load_separates_other_processes_from_ours():
     assert read_proc_stat("intr 1 2 3") is None
 
 
-def test_summary_of_the_reference_results_reads_without_intervals():
-    """The committed reference (one run, before the rounds) still renders: README, notebook."""
+def test_the_reference_results_carry_intervals_a_verdict_and_ddp_against_the_control():
+    """The committed reference is a run with rounds: the README and notebook 09 show it."""
     from benchmarks.run import REFERENCE, summary_markdown
 
     result = json.loads((REFERENCE / "results.json").read_text())
+    assert result["config"]["rounds"] >= 3 and result["verdict"]["messages"]
     text = summary_markdown(result)
-    assert "| ddp_spawn | 2 | ok |" in text and "no intervals" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ddp_spawn | 2 | ok |"))
+    assert row.count("[") >= 2, row  # throughput and speedup, each with its interval
+    assert "| ddp_spawn over independent | 2 |" in text
+    assert "Can these numbers be trusted?" in text
 
 
 # ------------------------------------------------------- a run leaves tracked files alone
@@ -358,3 +362,89 @@ def test_plots_draw_lines_over_n_only_beyond_two_devices(tmp_path):
         "speedup.png", "efficiency.png", "throughput.png", "memory.png", "scaling.png"}
     names = {p.name for p in make_plots(result([1, 2]), two)}
     assert "speedup.png" in names and "scaling.png" not in names
+
+
+# ------------------------------------------- torchrun: a failure names its rank and signal
+
+# The end of torchrun's report when a rank aborted (seen in a benchmark run, 2026-11-23).
+TORCHRUN_ABORT_LOG = """terminate called without an active exception
+E1123 23:47:24.987000 15384 torch/distributed/elastic/multiprocessing/api.py:1002] failed
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+benchmarks.torchrun_worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_23:47:24
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 15389)  (SIGTERM)
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_23:47:24
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 15388)  (SIGABRT)
+  error_file: <N/A>
+=======================================================
+"""
+
+
+def test_a_torchrun_failure_is_named_by_its_root_cause_not_a_line_of_equals_signs(tmp_path):
+    from benchmarks.run import torchrun_results
+    from dpt.testing import RankFailure
+
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1}))  # rank 0 wrote nothing
+    with pytest.raises(RankFailure) as info:
+        torchrun_results(tmp_path, 2, -6, TORCHRUN_ABORT_LOG)
+    last = str(info.value).strip().splitlines()[-1]  # what the record's `error` shows
+    assert "rank 0 died with SIGABRT" in last, last
+    assert "terminate called without an active exception" in last, last
+    assert "=====" not in last
+
+
+def test_a_rank_that_crashes_after_writing_its_results_keeps_the_round_with_a_note(tmp_path):
+    from benchmarks.run import torchrun_results
+
+    for r in range(2):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"rank": r}))
+    ranks = torchrun_results(tmp_path, 2, -6, TORCHRUN_ABORT_LOG)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    (note,) = ranks[0]["notes"]
+    assert "rank 0 died with SIGABRT" in note and "at exit" in note
+    assert torchrun_results(tmp_path, 2, 0, "")[0].get("notes") is None  # a clean exit: none
+
+
+# ------------------------------------------------------ do two runs agree? (benchmarks.compare)
+
+
+def _run(*recs):
+    return {"stamp": "x", "records": [
+        {"method": m, "nprocs": 2, "speedup": v, "speedup_lo": lo, "speedup_hi": hi,
+         "reliability": BUSY if busy else "ok", "flags": ["the hypervisor stole 40%"] if busy
+         else []} for m, v, lo, hi, busy in recs]}
+
+
+def test_compare_counts_overlapping_intervals_and_leaves_busy_results_out(tmp_path, capsys):
+    from benchmarks.compare import compare, main
+
+    a = _run(("ddp", 1.7, 1.6, 1.8, False), ("fsdp", 1.5, 1.4, 1.6, False),
+             ("naive", 1.6, 1.5, 1.7, False))
+    b = _run(("ddp", 1.75, 1.7, 1.9, False), ("fsdp", 1.8, 1.7, 1.9, False),
+             ("naive", 1.2, 1.0, 1.3, True))
+    rows = {r["method"]: r for r in compare(a, b)}
+    assert rows["ddp"]["overlap"] is True
+    assert rows["fsdp"]["overlap"] is False  # [1.4, 1.6] against [1.7, 1.9]
+    assert rows["naive"]["overlap"] is None and rows["naive"]["raw_overlap"] is False
+    for name, run in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1  # fsdp disagrees
+    out = capsys.readouterr().out
+    assert "**disagree**" in out and "not counted (busy" in out
+    assert "1 of 2 comparable results agree" in out
+    assert main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    with pytest.raises(SystemExit) as bad:
+        main([str(tmp_path / "missing"), str(tmp_path / "a")])
+    assert bad.value.code == 2 and "error: cannot read" in capsys.readouterr().err
