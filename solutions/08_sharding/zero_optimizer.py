@@ -63,7 +63,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, optimizer_kwargs)
         self.optimizer_class = optimizer_class
         self.all_params = [p for group in self.param_groups for p in group["params"]]
-        owners = self.assign([p.numel() for p in self.all_params], self.world_size)
+        owners = partition_params([p.numel() for p in self.all_params], self.world_size)
         self.owner = dict(zip(map(id, self.all_params), owners))
         # params_of[r]: the parameters rank r owns, in a fixed order every rank agrees on.
         self.params_of = [[p for p in self.all_params if self.owner[id(p)] == r]
@@ -74,9 +74,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         for g in self.param_groups]
         self.local_optimizer = (optimizer_class(local_groups, **optimizer_kwargs)
                                 if self.params_of[self.rank] else None)
-
-    # Tests swap this for a reference partition, to test step() on its own.
-    assign = staticmethod(partition_params)
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:

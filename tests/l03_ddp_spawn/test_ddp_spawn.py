@@ -38,6 +38,14 @@ WS = 2
 @pytest.mark.timeout(120)
 def test_every_process_finds_its_global_rank_and_joins_one_group():
     nodes, gpus = 2, 2  # 4 processes: test rank r plays local process r % 2 of node r // 2
+    # first without joining: a wrong rank would otherwise show as two processes claiming it
+    dry = run_distributed(rank_fns.setup_ranks_without_joining, nodes * gpus,
+                          args=(nodes, gpus), backend=None, timeout=60)
+    for rank, info in enumerate(dry):  # (None: joined without dpt.dist.setup; checked below)
+        assert info["joined"] in (None, (rank, nodes * gpus)), (
+            f"local process {rank % gpus} of node {rank // gpus} joins as (rank, world_size) "
+            f"{info['joined']}, not {(rank, nodes * gpus)}: the global rank counts the "
+            "processes of the machines before this one (node 0's first, then node 1's)")
     infos = run_distributed(rank_fns.setup_as_node_process, nodes * gpus, args=(nodes, gpus),
                             backend=None, timeout=100)
     for rank, info in enumerate(infos):

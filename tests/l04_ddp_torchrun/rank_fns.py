@@ -84,8 +84,25 @@ def save_snapshot_on_ranks(rank, world_size, folder):
     torch.rand(rank + 1)
     rng = torch.get_rng_state()
     trainer._save_snapshot(3)
+    after = torch.get_rng_state()
+    # Then all snapshot to one path while rank 0 writes slowly: nobody may return before the
+    # file is there (a rank that runs ahead could read, or be restarted onto, no snapshot).
+    dist.barrier()
+    real_save = torch.save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(1.5)
+        return real_save(*args, **kwargs)
+
+    torch.save = slow_save
+    try:
+        trainer.snapshot_path = Path(folder) / "shared.pt"
+        trainer._save_snapshot(4)
+        there_on_return = trainer.snapshot_path.is_file()
+    finally:
+        torch.save = real_save
     return {"rng": rng, "model": {k: v.cpu() for k, v in model.state_dict().items()},
-            "after": torch.get_rng_state()}
+            "after": after, "there_on_return": there_on_return}
 
 
 def load_snapshot_on_ranks(rank, world_size, path):

@@ -34,6 +34,13 @@ def reference_partition(sizes, world_size):
     return owners
 
 
+def use_reference_partition(zo) -> None:
+    """From now on in this rank process, the lesson's ShardedOptimizer assigns owners with
+    :func:`reference_partition`: its __init__ calls the module's ``partition_params``, which
+    the test replaces here, so step() is graded without task 08.2's answer."""
+    zo.partition_params = reference_partition
+
+
 def batch(rank, step, n=8):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -65,14 +72,12 @@ def sharded_vs_plain(rank, world_size, opt_name="adam", steps=4, own_partition=F
     base = ConvNet()
     models = [DDP(copy.deepcopy(base)) for _ in range(3)]
     plain = cls(_groups(models[0].module, kwargs["lr"]), **kwargs)
-    sharded_cls = zo.ShardedOptimizer
     if not own_partition:  # test step() alone, on an assignment the test chooses
-        sharded_cls = type("RefSharded", (zo.ShardedOptimizer,),
-                           {"assign": staticmethod(reference_partition)})
+        use_reference_partition(zo)
     groups = _groups(models[1].module, kwargs["lr"])
     # the optimizer's parameter order: group by group
     all_params = [p for g in groups for p in g["params"]]
-    sharded = sharded_cls(groups, cls, **kwargs)
+    sharded = zo.ShardedOptimizer(groups, cls, **kwargs)
     torch_zero = ZeroRedundancyOptimizer(_groups(models[2].module, kwargs["lr"]),
                                          optimizer_class=cls, **kwargs)
     opts = [plain, sharded, torch_zero]
@@ -116,8 +121,8 @@ def zero2_vs_plain(rank, world_size, steps=3):
     base = ConvNet()
     ref, model = DDP(copy.deepcopy(base)), copy.deepcopy(base)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    cls = type("RefSharded", (zo.ShardedOptimizer,), {"assign": staticmethod(reference_partition)})
-    opt = cls(model.parameters(), torch.optim.Adam, lr=1e-3, weight_decay=0.01)
+    use_reference_partition(zo)
+    opt = zo.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3, weight_decay=0.01)
     grad_bytes = []
     for step in range(steps):
         x, y = batch(rank, step)

@@ -103,7 +103,9 @@ def test_partition_is_balanced_by_size_and_covers_everything(zo, sizes, n):
     loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n)]
     assert sum(loads) == sum(sizes)
     # no rank above the others by more than one parameter: all on rank 0 fails here
-    assert max(loads) - min(loads) <= max(sizes), loads
+    assert max(loads) - min(loads) <= max(sizes), (
+        f"unbalanced: the ranks own {loads} elements; no rank may own more than another by "
+        f"more than the largest parameter ({max(sizes)})")
     assert zo.partition_params(sizes, n) == owners  # every rank computes the same answer
 
 
@@ -136,16 +138,21 @@ def _close(a, b, atol=1e-5):
     return all(torch.allclose(x, y, atol=atol, rtol=1e-4) for x, y in zip(a, b))
 
 
-def _step_cause(sharded, plain) -> str:
+def _ranks_agree(ranks) -> bool:
+    """Whether every rank ends with the same weights under the sharded optimizer."""
+    return all(torch.equal(a, b) for a, b in zip(ranks[0]["params"][1], ranks[1]["params"][1]))
+
+
+def _step_cause(sharded, plain, agree: bool) -> str:
     """The likely bug when a sharded optimizer's parameters differ from the plain one's."""
+    if not agree:
+        return ("the ranks' copies disagree: the owners' updates do not reach every rank. "
+                "Broadcast after step missing (each owner broadcasts its updated parameters to "
+                "all ranks, from its global rank)")
     same = [torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(sharded, plain)]
-    if any(same):
-        return (f"{same.count(False)} of {len(same)} parameters differ while the others match: "
-                "the owners' updates do not reach every rank. Broadcast after step missing "
-                "(each owner broadcasts its updated parameters to all ranks, from its global "
-                "rank)")
-    return ("every parameter differs: step the inner optimizer once per step, with the outer "
-            "param_groups' options (the lr changes mid-run) copied to it first")
+    return (f"the ranks agree, but {same.count(False)} of {len(same)} parameters differ: step "
+            "the inner optimizer once per step, with the outer param_groups' options (the lr "
+            "changes mid-run) copied to it first")
 
 
 @pytest.mark.task("08.3")
@@ -159,9 +166,9 @@ def test_sharded_optimizer_matches_plain_and_torch_zero(opt_name):
         # every rank, also the one that does not own a parameter, ends with the update:
         # shards never broadcast back leave the other rank's copy behind
         assert _close(sharded, plain), (f"rank {ranks.index(r)} differs from the plain "
-                                        f"optimizer: {_step_cause(sharded, plain)}")
+                                        f"optimizer: {_step_cause(sharded, plain, _ranks_agree(ranks))}")
         assert _close(sharded, torch_zero), ("differs from torch's ZeroRedundancyOptimizer: "
-                                             f"{_step_cause(sharded, torch_zero)}")
+                                             f"{_step_cause(sharded, torch_zero, _ranks_agree(ranks))}")
         assert not _close(sharded, [p * 0 + p.mean() for p in plain], atol=0)
     for a, b in zip(ranks[0]["params"][1], ranks[1]["params"][1]):
         torch.testing.assert_close(  # the ranks agree exactly
@@ -179,7 +186,9 @@ def test_each_rank_keeps_state_only_for_the_params_it_owns():
     for rank, r in enumerate(ranks):
         mine = [i for i, o in enumerate(owners) if o == rank]
         # a rank stepping parameters it does not own builds state for them
-        assert r["with_state"] == mine, (rank, r["with_state"], mine)
+        assert r["with_state"] == mine, (
+            f"rank {rank} keeps optimizer state for parameters {r['with_state']} but owns "
+            f"{mine}: a rank steps (and keeps state for) only the parameters it owns")
         assert r["outer_state"] == 0
         seen += r["with_state"]
     assert sorted(seen) == list(range(len(owners)))
@@ -196,7 +205,7 @@ def test_adamw_with_param_groups_matches():
     for r in ranks:
         plain, sharded, _ = r["params"]
         assert _close(sharded, plain), ("AdamW with two parameter groups: "
-                                        f"{_step_cause(sharded, plain)}")
+                                        f"{_step_cause(sharded, plain, _ranks_agree(ranks))}")
 
 
 @pytest.mark.task("08.3")
