@@ -4,7 +4,8 @@ Lessons 01-04 build their parser with :func:`parser`, check it with :func:`valid
 through :func:`main`, so a bad flag, missing data, a device the machine lacks or a broken
 checkpoint end the same way everywhere: one line ``error: ...`` on stderr and exit code 2.
 Lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address) lives here too, so the
-lesson files hold only what they teach.
+lesson files hold only what they teach; lesson 06's ``--precision`` is checked here as well
+(its values and rules are in ``dpt.precision``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dpt.data import MNIST, DataError, add_dataset_argument, check_batch_size
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
 from dpt.models import MODELS
+from dpt.precision import check_request
 
 __all__ = ["LaunchError", "main", "parser", "validate"]
 
@@ -75,6 +77,11 @@ def validate(args: argparse.Namespace) -> None:
                                   "does not exist")
     if getattr(args, "timeout", 1) <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    if getattr(args, "precision", None) is not None:  # lesson 06 (dpt.precision)
+        check_request(args.precision, getattr(args, "device", "auto"))
+    if (getattr(args, "clip", None) or 0) < 0:
+        raise ValueError(f"--clip (the largest gradient norm) must be positive, or 0 for no "
+                         f"clipping; got {args.clip}")
 
 
 def deterministic(on: bool = True) -> None:
