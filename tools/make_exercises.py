@@ -16,7 +16,8 @@ file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: comma
 student's tree run the student's code. Each lesson's ``tutorial.py`` (jupytext percent format)
 becomes ``notebooks/<lesson>.ipynb`` from its exercises version, without outputs.
 
-Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`): each lesson folder gets a
+Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`), and lesson 06 grows lesson
+03's (:data:`GROWTH_STEPS` lists every pair): each lesson folder gets a
 ``CHANGES.diff``, the unified diff of its main file against the previous lesson's, written in
 both trees from that tree's own files (the exercises' diff shows stubs, never a solution).
 :func:`code_lines_changed` measures a diff as the lines of code it adds plus those it removes:
@@ -55,6 +56,10 @@ HEADER = ("# Exercise file, generated from solutions/ by `make exercises`.\n"
 # lesson after the first, against the one before.
 GROWTH = (("01_single_device", "single_device.py"), ("03_ddp_spawn", "ddp_spawn.py"),
           ("04_ddp_torchrun", "ddp_torchrun.py"))
+# Every (previous, next) pair that gets a CHANGES.diff: the chain above, and lesson 06, which
+# grows lesson 03's file too (mixed precision instead of torchrun).
+GROWTH_STEPS = (*zip(GROWTH, GROWTH[1:]),
+                (("03_ddp_spawn", "ddp_spawn.py"), ("06_mixed_precision", "ddp_amp.py")))
 CHANGES = "CHANGES.diff"
 
 
@@ -99,7 +104,7 @@ def code_lines_changed(before: str, after: str) -> int:
 
 def write_changes(tree: Path) -> None:
     """Write ``CHANGES.diff`` into each lesson of ``tree`` that grows the previous one."""
-    for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
+    for (l1, f1), (l2, f2) in GROWTH_STEPS:
         if (tree / l1 / f1).is_file() and (tree / l2 / f2).is_file():
             (tree / l2 / CHANGES).write_text(changes_diff(tree / l1 / f1, tree / l2 / f2))
 
@@ -218,7 +223,7 @@ def stale(out_root: Path = REPO) -> list[str]:
                 if not (a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)):
                     diffs.append(f"{sub}/{rel}")
         sol = REPO / "solutions"
-        for (l1, f1), (l2, f2) in zip(GROWTH, GROWTH[1:]):
+        for (l1, f1), (l2, f2) in GROWTH_STEPS:
             path = sol / l2 / CHANGES
             if not path.is_file() or path.read_text() != changes_diff(sol / l1 / f1, sol / l2 / f2):
                 diffs.append(f"solutions/{l2}/{CHANGES}")
