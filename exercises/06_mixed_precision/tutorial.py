@@ -118,12 +118,20 @@ with needs_tasks():
 # Autocast does not convert the model. The weights stay fp32 (the "master weights" Apex's O2
 # kept separately). Inside each listed op, a conv or a matmul, autocast casts a *copy* of the
 # weight and the input to bf16 and computes in bf16. Ops that need range or accuracy
-# (softmax, cross-entropy, sums) run in fp32. Here is one forward of the ConvNet under bf16:
+# (softmax, cross-entropy, sums) run in fp32. Here is one training step of the ConvNet under
+# bf16, through `ddp_amp.Trainer._run_batch`, so this cell waits for task 06.1 (section 4).
+# The `Trainer` wraps its model in DDP, so it runs in a job of one process
+# (`dpt.dist.group_of_one`):
 
 # %%
 with needs_tasks():
     torch.manual_seed(0)
-    for row in amp_inspect.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfloat16):
+    convnet = ConvNet()
+    with group_of_one(cpu):
+        t = ddp_amp.Trainer(convnet, None, torch.optim.SGD(convnet.parameters(), lr=0.01), cpu,
+                            precision="bf16")
+        rows = amp_inspect.cast_map(t, torch.randn(2, 1, 28, 28), torch.tensor([0, 1]))
+    for row in rows:
         print(f"{row['module']:10} {row['type']:12} weights {row['param']:8} "
               f"in {row['input']:9} out {row['output']}")
 
@@ -163,10 +171,9 @@ with needs_tasks():
 # is for (backward already follows the forward's dtypes, and the optimizer must work in fp32).
 #
 # torch 2.x has a CPU GradScaler, so we can watch the fp16 *logic* here: fp32 compute, a
-# scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12. The
-# `Trainer` wraps its model in DDP, so it runs in a job of one process
-# (`dpt.dist.group_of_one`), as `amp_train.py` runs it; `amp_train.watched_step` reads the
-# scale around each `_run_batch`.
+# scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12, in a
+# job of one process as above (`amp_train.py` runs it the same way); `amp_train.watched_step`
+# reads the scale around each `_run_batch`.
 
 # %%
 with needs_tasks():

@@ -2,9 +2,9 @@
 
 Two instruments for ``ddp_amp.py``'s training, which leave it unchanged:
 
-- :func:`cast_map`: one forward under autocast, and per layer the dtype of its weights, of
-  its input and of its output. The weights stay fp32; a conv or a linear layer computes in
-  bf16/fp16 on *copies* of them.
+- :func:`cast_map`: one training step of lesson 06's ``Trainer`` (your ``_run_batch``), and
+  per layer the dtype of its weights, of its input and of its output in the forward. The
+  weights stay fp32; a conv or a linear layer computes in bf16/fp16 on *copies* of them.
 - :func:`recording_allreduce_hook`: a DDP communication hook that notes the dtype of every
   gradient bucket, then all-reduces it as DDP does by default. Under autocast the buckets
   are fp32: they hold the fp32 parameters' gradients.
@@ -21,11 +21,10 @@ import argparse
 import sys
 
 import torch
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from dpt import cli
-from dpt.dist import rank_device
+from dpt.dist import group_of_one, rank_device
 from dpt.models import build_model
 from dpt.precision import add_precision_argument, choose_precision
 
@@ -54,16 +53,15 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def cast_map(model: nn.Module, x: torch.Tensor, device: torch.device,
-             dtype: torch.dtype | None) -> list[dict]:
-    """Run one forward under autocast and report, per leaf module, the dtypes it saw.
+def cast_map(trainer, source: torch.Tensor, targets: torch.Tensor) -> list[dict]:
+    """One step of ``trainer`` on a batch and, per leaf module, the dtypes its forward saw.
 
     Rows: module name, type, parameter dtype, input dtype, output dtype. Under bf16 autocast
     the parameters stay fp32 while conv/linear outputs are bf16: the cast happens inside
-    the op, on a copy of the weight.
+    the op, on a copy of the weight. (The step is a real one: the weights move.)
     """
     rows, handles = [], []
-    for name, mod in model.named_modules():
+    for name, mod in getattr(trainer.model, "module", trainer.model).named_modules():
         if list(mod.children()):
             continue
 
@@ -75,8 +73,7 @@ def cast_map(model: nn.Module, x: torch.Tensor, device: torch.device,
 
         handles.append(mod.register_forward_hook(hook))
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            model(x.to(device))
+        trainer._run_batch(source.to(trainer.device), targets.to(trainer.device))
     finally:
         for h in handles:
             h.remove()
@@ -121,13 +118,20 @@ def ddp_dtypes(rank: int, world_size: int, precision: str = "bf16", steps: int =
 
 
 def main(args: argparse.Namespace) -> None:
+    from ddp_amp import Trainer
+
     from dpt.testing import run_distributed
 
     device = torch.device("cpu")  # the CPU and gloo, on any machine
-    dtype, _ = choose_precision(device, args.precision)
+    choose_precision(device, args.precision)  # refuse fp16 here, in one line
     torch.manual_seed(0)
-    print(f"one forward of the ConvNet under {args.precision} autocast, on the CPU:")
-    for row in cast_map(build_model("convnet"), synthetic_data(2)[0], device, dtype):
+    model = build_model("convnet")
+    with group_of_one(device):
+        trainer = Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), device,
+                          precision=args.precision)
+        rows = cast_map(trainer, *synthetic_data(2))
+    print(f"one step of the ConvNet under {args.precision} autocast, on the CPU:")
+    for row in rows:
         print(f"  {row['module']:10} {row['type']:12} weights {row['param']:8} "
               f"in {row['input']:9} out {row['output']}")
     results = run_distributed(ddp_dtypes, world_size=2, backend="gloo", timeout=300,

@@ -658,16 +658,21 @@ def test_lesson_ddp_training_in_bf16_keeps_ranks_in_sync():
 
 def test_cast_map_shows_where_the_casts_happen():
     inspect = load(LESSON, "amp_inspect")
-    torch.manual_seed(0)
-    rows = inspect.cast_map(ConvNet(), _batch(2)[0], CPU, torch.bfloat16)
+    ddp_amp = load(LESSON, "ddp_amp")
+    maps = {}
+    with group_of_one(CPU):
+        for prec in ("bf16", "fp32"):
+            torch.manual_seed(0)
+            model = ConvNet()
+            trainer = ddp_amp.Trainer(model, None, _sgd(model), CPU, precision=prec)
+            maps[prec] = inspect.cast_map(trainer, *_batch(2))
     by_type = {}
-    for row in rows:
+    for row in maps["bf16"]:
         by_type.setdefault(row["type"], set()).add((row["param"], row["output"]))
     assert by_type["Conv2d"] == {("float32", "bfloat16")}
     assert by_type["Linear"] == {("float32", "bfloat16")}
-    assert all(row["input"] == "float32" for row in rows[:1])
-    assert {row["output"] for row in inspect.cast_map(ConvNet(), _batch(2)[0], CPU, None)} == {
-        "float32"}
+    assert all(row["input"] == "float32" for row in maps["bf16"][:1])
+    assert {row["output"] for row in maps["fp32"]} == {"float32"}
 
 
 # ---------------------------------------------------------------- 06.4 Apex
