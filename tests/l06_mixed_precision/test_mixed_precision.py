@@ -92,8 +92,9 @@ SCALER_MISUSE = {
                       "scaler scaled",
     "No inf checks were recorded": "the scaler's update() ran but its step() did not: step "
                                    "the optimizer through the scaler",
-    "unscale_() has already been called": "unscale_ ran twice in one step: once, before "
-                                          "clipping, and only when clipping",
+    "since the last update()": "the scaler's update() is missing (or its unscale_/step ran "
+                               "twice in one step): one update() per step, after the "
+                               "scaler's step",
 }
 
 
