@@ -100,7 +100,7 @@ class Trainer:
                 if not state.get("scaler"):
                     raise ckpt.CheckpointError(
                         f"checkpoint {resume_from} has no GradScaler state, but this run scales "
-                        "its loss (fp16): resume it from a checkpoint of a scaled run")
+                        "its loss (its GradScaler is on): resume it from a scaled run's checkpoint")
                 self.scaler.load_state_dict(state["scaler"])
             # END SOLUTION
             self.epochs_run = state["epoch"]
