@@ -1,8 +1,8 @@
 """Lesson 06: fp32 against bf16 autocast (and fp16 + GradScaler on CUDA), in one run.
 
 Throughput (samples/s, all ranks) and peak memory of the same training step (lesson 06's
-``amp_train_step``, ConvNet, synthetic MNIST-shaped batches, SGD) for one process and for
-DDP with world size 2. Every measurement is a fresh process (so peak RSS is its own), 1 thread
+``Trainer._run_batch``, ConvNet in DDP, synthetic MNIST-shaped batches, SGD) for one process
+(a DDP job of one) and for DDP with world size 2. Every measurement is a fresh process (so peak RSS is its own), 1 thread
 per rank; variants alternate within each repeat and medians are compared. The CPU's flags
 are recorded with the result: bf16 is only fast on CPUs with AMX or AVX512-BF16.
 
@@ -31,41 +31,39 @@ OUT = REPO / "benchmarks" / "results"
 
 def _measure(rank: int, world_size: int, precision: str, batch: int, warmup: int,
              steps: int) -> dict:
-    """One rank: build, warm up, time ``steps`` steps. Runs inside run_distributed or alone."""
+    """One rank: build, warm up, time ``steps`` steps. Runs inside run_distributed or alone
+    (then as a DDP job of one process: the Trainer wraps its model in DDP)."""
     sys.path.insert(0, str(LESSON))
     import torch
     import torch.distributed as dist
-    from amp_train import amp_train_step, make_scaler
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ddp_amp import Trainer
 
     from dpt.device import synchronize
+    from dpt.dist import group_of_one
     from dpt.models import ConvNet
 
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    torch.manual_seed(0)
-    model = ConvNet().to(device)
-    if world_size > 1:
-        model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = make_scaler(device, precision == "fp16")
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
-               for _ in range(4)]
-    for i in range(warmup):
-        amp_train_step(model, batches[i % 4], opt, device, dtype, scaler)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    if world_size > 1:
+    with group_of_one(device):  # nothing when run_distributed made the group already
+        torch.manual_seed(0)
+        model = ConvNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        trainer = Trainer(model, None, opt, device, precision=precision)
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(batch, 1, 28, 28, generator=g).to(device),
+                    torch.randint(0, 10, (batch,), generator=g).to(device)) for _ in range(4)]
+        for i in range(warmup):
+            trainer._run_batch(*batches[i % 4])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()
-    synchronize(device)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        amp_train_step(model, batches[i % 4], opt, device, dtype, scaler)
-    synchronize(device)
-    seconds = time.perf_counter() - t0
+        synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            trainer._run_batch(*batches[i % 4])
+        synchronize(device)
+        seconds = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else
             (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) * 1024)
     return {"seconds": seconds, "peak_bytes": peak, "device": str(device)}
@@ -88,7 +86,7 @@ def worker(precision: str, world_size: int, batch: int, warmup: int, steps: int)
 
 def cpu_info() -> dict:
     sys.path.insert(0, str(LESSON))
-    from amp_train import cpu_flags, cpu_has_fast_bf16
+    from dpt.precision import cpu_flags, cpu_has_fast_bf16
 
     model = ""
     try:

@@ -6,7 +6,9 @@ checkpoint end the same way everywhere: one line ``error: ...`` on stderr and ex
 What their scripts do around the ``Trainer`` (data, model, optimizer, timing, the printed
 accuracy: :func:`train_and_evaluate`; the progress bar and ``--limit-batches``:
 :func:`batches`) and lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address)
-live here too, so the lesson files hold only what they teach.
+live here too, so the lesson files hold only what they teach;
+lesson 06's ``--precision`` is checked here as well (its values and rules are in
+``dpt.precision``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dpt.data import (
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
 from dpt.models import MODELS, build_model
+from dpt.precision import check_request
 
 __all__ = ["LaunchError", "batches", "main", "parser", "train_and_evaluate", "validate"]
 
@@ -87,6 +90,11 @@ def validate(args: argparse.Namespace) -> None:
                                   "does not exist")
     if getattr(args, "timeout", 1) <= 0:
         raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    if getattr(args, "precision", None) is not None:  # lesson 06 (dpt.precision)
+        check_request(args.precision, getattr(args, "device", "auto"))
+    if (getattr(args, "clip", None) or 0) < 0:
+        raise ValueError(f"--clip (the largest gradient norm) must be positive, or 0 for no "
+                         f"clipping; got {args.clip}")
 
 
 def deterministic(on: bool = True) -> None:

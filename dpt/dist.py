@@ -134,6 +134,23 @@ def process_group(**kwargs):
         cleanup()
 
 
+@contextlib.contextmanager
+def group_of_one(device: str | torch.device = "cpu"):
+    """``with group_of_one(device):`` this process alone is a whole job (rank 0 of 1).
+
+    For code written for DDP (a ``Trainer`` that wraps its model) run in one process: no
+    launcher, no port (an in-memory store). Inside an existing group it does nothing.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        cleanup()
+
+
 def rank_device() -> torch.device:
     """The device this rank's tensors and modules belong on, decided in one place.
 

@@ -87,8 +87,9 @@ def items(n_gpus: int, tmp: Path) -> list[Item]:
              [py, f"{S}/06_mixed_precision/amp_train.py", "--device", "cuda", "--precision",
               "fp16", "--steps", "30", "--inject-inf", "10"], expect="skipped"),
         Item("l06-ddp-amp", "DDP + autocast on NCCL",
-             [py, f"{S}/06_mixed_precision/ddp_amp.py", "--device", "cuda", "--nprocs", n,
-              "--steps", "10"], min_gpus=2),
+             [py, f"{S}/06_mixed_precision/ddp_amp.py", "--device", "cuda", "-g", n,
+              "--precision", "auto", "--dataset", "fashion-mnist", "--limit-batches", "10",
+              "--no-progress"], min_gpus=2),
         *[Item(f"l07-{strategy}", f"Lightning strategy={strategy!r} on the GPUs",
                [py, f"{S}/07_lightning/lit_train.py", "--accelerator", "cuda", "--devices", n,
                 "--strategy", strategy, "--limit-train-batches", "20"], timeout=400)

@@ -16,9 +16,9 @@ file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: comma
 student's tree run the student's code. Each lesson's ``tutorial.py`` (jupytext percent format)
 becomes ``notebooks/<lesson>.ipynb`` from its exercises version, without outputs.
 
-Lessons 01, 03 and 04 grow one training script (see :data:`GROWTH`, where each lesson names
-its parent's main file): each lesson folder gets a ``CHANGES.diff``, the unified diff of its
-main file against its parent's, written in both trees from that tree's own files (the
+Lessons 01, 03 and 04 grow one training script, and lesson 06 grows lesson 03's (see
+:data:`GROWTH`, where each lesson names its parent's main file): each lesson folder gets a
+``CHANGES.diff``, the unified diff of its main file against its parent's, written in both trees from that tree's own files (the
 exercises' diff shows stubs, never a solution). :func:`code_lines_changed` measures a diff as
 the lines of code it adds plus those it removes: blank lines, comment-only lines (solution
 markers included) and docstrings do not count.
@@ -67,7 +67,9 @@ HEADER = ("# Exercise file, generated from solutions/ by `make exercises`.\n"
 # paths under solutions/, a parent before its children. CHANGES.diff goes into the child's
 # folder; its CARRIED FROM markers may name only its parent.
 GROWTH = (("01_single_device/single_device.py", "03_ddp_spawn/ddp_spawn.py"),
-          ("03_ddp_spawn/ddp_spawn.py", "04_ddp_torchrun/ddp_torchrun.py"))
+          ("03_ddp_spawn/ddp_spawn.py", "04_ddp_torchrun/ddp_torchrun.py"),
+          # lesson 06 grows lesson 03's script too: mixed precision instead of torchrun
+          ("03_ddp_spawn/ddp_spawn.py", "06_mixed_precision/ddp_amp.py"))
 CHANGES = "CHANGES.diff"
 CARRIED = re.compile(r"^(?P<indent>[ \t]*)# CARRIED FROM (?P<lesson>\d\d_[a-z0-9_]+)\b.*$", re.M)
 

@@ -4,13 +4,14 @@
 # The 'Distributed data parallel training in PyTorch' tutorial ends with "a bonus": mixed-precision DDP with NVIDIA Apex,
 # `amp.initialize(model, optimizer, opt_level='O2')` and `with amp.scale_loss(...)`. Apex's
 # amp now lives inside PyTorch as `torch.amp`. This lesson explains why mixed precision works,
-# writes the step you should write today, puts it under DDP, and maps the Apex calls to it.
+# adds it to lesson 03's DDP script (`ddp_amp.py` is `ddp_spawn.py` plus precision, and
+# `CHANGES.diff` in the lesson folder shows exactly what it adds), and maps Apex onto it.
 #
 # | task | where | what you write |
 # |---|---|---|
-# | 06.1 | `amp_train.amp_train_step` | autocast around forward+loss only; scaled backward; `unscale_` before clipping; `step`; `update` |
-# | 06.2 | `amp_train.save_checkpoint` / `load_checkpoint` | the scaler's state goes in the checkpoint and comes back |
-# | 06.3 | `ddp_amp.recording_allreduce_hook` | a DDP comm hook that records the dtype it all-reduces, then all-reduces |
+# | 06.1 | `ddp_amp.Trainer._run_batch` | lesson 01's step in mixed precision: autocast for the forward and the loss only; backward, clipping and the step through the scaler |
+# | 06.2 | `ddp_amp.Trainer._save_checkpoint`, and the resume in `__init__` | the scaler's state goes into lesson 03's checkpoint and comes back |
+# | 06.3 | `amp_inspect.recording_allreduce_hook` | a DDP comm hook that records the dtype it all-reduces, then all-reduces |
 # | 06.4 | `apex_amp.check_opt_level` | catch `'01'` (digit zero) for `'O1'` (letter O) |
 
 # %%
@@ -19,16 +20,21 @@ from dpt.notebook import needs_tasks, use_lesson
 use_lesson("06_mixed_precision")
 
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
+import amp_inspect
 import amp_train
 import apex_amp
 import ddp_amp
 import precision_demo
+from dpt import precision
 from dpt.data import load_tensors, prepare
+from dpt.dist import group_of_one
 from dpt.models import MLP, ConvNet
 
 torch.set_num_threads(1)  # the timings below compare like with like, and leave a core free
@@ -88,19 +94,22 @@ with needs_tasks():
 #
 # ## 2. The device and dtype come from the machine
 #
-# `choose_precision(device, "auto")`: CUDA gives bf16 where the GPU supports it (Ampere and
-# newer) and fp16 + scaler otherwise; a CPU gets bf16 only if it has bf16 instructions (AMX or
-# AVX512-BF16), because without them bf16 is emulated and slower than fp32. `--precision`
-# overrides it; fp16 on a CPU is refused with a clear error.
+# `--precision {fp32,bf16,fp16,auto}` is parsed and checked in one place for every script of
+# the lesson, `dpt.precision`, and each rank turns it into a dtype for *its own* device with
+# `choose_precision(device, "auto")`: a GPU of compute capability 8 or more (Ampere and newer)
+# gets bf16, an older one fp16 with a scaler (`torch.cuda.is_bf16_supported()` would say yes
+# there too, but its bf16 is emulated and slower than fp16); a CPU gets bf16 only if it has
+# bf16 instructions (AMX or AVX512-BF16), because without them bf16 is emulated and slower
+# than fp32. fp16 on a CPU is refused with a clear error.
 
 # %%
 with needs_tasks():
     cpu = torch.device("cpu")
-    print("CPU flags that matter:", amp_train.cpu_flags())
-    print("auto on this CPU ->", amp_train.choose_precision(cpu, "auto"))
+    print("CPU flags that matter:", precision.cpu_flags())
+    print("auto on this CPU ->", precision.choose_precision(cpu, "auto"))
     try:
-        amp_train.choose_precision(cpu, "fp16")
-    except amp_train.PrecisionError as exc:
+        precision.choose_precision(cpu, "fp16")
+    except precision.PrecisionError as exc:
         print("fp16 on CPU ->", exc)
 
 # %% [markdown]
@@ -109,12 +118,20 @@ with needs_tasks():
 # Autocast does not convert the model. The weights stay fp32 (the "master weights" Apex's O2
 # kept separately). Inside each listed op, a conv or a matmul, autocast casts a *copy* of the
 # weight and the input to bf16 and computes in bf16. Ops that need range or accuracy
-# (softmax, cross-entropy, sums) run in fp32. Here is one forward of the ConvNet under bf16:
+# (softmax, cross-entropy, sums) run in fp32. Here is one training step of the ConvNet under
+# bf16, through `ddp_amp.Trainer._run_batch`, so this cell waits for task 06.1 (section 4).
+# The `Trainer` wraps its model in DDP, so it runs in a job of one process
+# (`dpt.dist.group_of_one`):
 
 # %%
 with needs_tasks():
     torch.manual_seed(0)
-    for row in ddp_amp.cast_map(ConvNet(), torch.randn(2, 1, 28, 28), cpu, torch.bfloat16):
+    convnet = ConvNet()
+    with group_of_one(cpu):
+        t = ddp_amp.Trainer(convnet, None, torch.optim.SGD(convnet.parameters(), lr=0.01), cpu,
+                            precision="bf16")
+        rows = amp_inspect.cast_map(t, torch.randn(2, 1, 28, 28), torch.tensor([0, 1]))
+    for row in rows:
         print(f"{row['module']:10} {row['type']:12} weights {row['param']:8} "
               f"in {row['input']:9} out {row['output']}")
 
@@ -126,24 +143,37 @@ with needs_tasks():
 #
 # ## 4. The step (task 06.1)
 #
+# `ddp_amp.py` is lesson 03's `ddp_spawn.py` with three changes to its `Trainer`. `__init__`
+# turns `--precision` into `self.dtype` and makes `self.scaler`, a `GradScaler` that is
+# enabled for fp16 and passes everything through unchanged otherwise, so one step serves every
+# precision. `_run_batch`, your task, is lesson 01's step in mixed precision. And the
+# checkpoint carries the scaler (section 5). Here is the step's part of `CHANGES.diff`:
+
+# %%
+with needs_tasks():
+    diff = (Path(ddp_amp.__file__).parent / "CHANGES.diff").read_text()
+    start = diff.index("     def _run_batch")
+    print(diff[start:diff.index("@@", start)])
+
+# %% [markdown]
 # The order is the whole task. Under autocast: the forward and the loss, nothing else.
 # Outside it: backward on the **scaled** loss, then the gradients are **unscaled** (back to
 # their true size) before they are clipped, then the optimizer steps **through the scaler**
 # (which skips the step when a gradient is inf or NaN), and finally the scaler **updates** its
-# scale. Without a scaler (fp32, bf16) the same step is a plain backward, clip and step.
-# `HINTS.md` in the lesson folder gives the API names if you are stuck.
+# scale. `HINTS.md` in the lesson folder gives the API names if you are stuck.
 #
 # Five ways to get it wrong, and what each does (each is a test in `tests/l06_mixed_precision`):
-# `loss.backward()` instead of `scaler.scale(loss).backward()` divides true gradients by `S`
-# (a 65536x smaller step); clipping before `unscale_` clips the scaled norm, so after unscaling
-# the gradient is `S` times too small; without `scaler.update()` the scale never backs off
-# (every step after one overflow is skipped) nor grows; autocast around `backward()`/`step()`
-# is not what autocast is for (backward already follows the forward's dtypes, and the
-# optimizer must work in fp32); and a checkpoint without the scaler's state restarts the scale
-# at 65536, so a resumed fp16 run skips steps until it has backed off again.
+# backward on the unscaled loss divides true gradients by `S` (a 65536x smaller step);
+# clipping before unscaling clips the scaled norm, so after unscaling the gradient is `S`
+# times too small; without the scaler's update the scale never backs off (every step after
+# one overflow is skipped) nor grows; stepping the optimizer yourself instead of through the
+# scaler applies inf gradients; and autocast around backward or the step is not what autocast
+# is for (backward already follows the forward's dtypes, and the optimizer must work in fp32).
 #
 # torch 2.x has a CPU GradScaler, so we can watch the fp16 *logic* here: fp32 compute, a
-# scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12.
+# scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12, in a
+# job of one process as above (`amp_train.py` runs it the same way); `amp_train.watched_step`
+# reads the scale around each `_run_batch`.
 
 # %%
 with needs_tasks():
@@ -154,14 +184,16 @@ with needs_tasks():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=5)
     scales, skipped = [], []
-    for step in range(25):
-        batch = (x_train[step * 32:(step + 1) * 32], y_train[step * 32:(step + 1) * 32])
-        if step == 12:
-            batch = amp_train.inject_inf(batch)
-        out = amp_train.amp_train_step(model, batch, optimizer, cpu, None, scaler, max_norm=1.0)
-        scales.append(out["scale"])
-        if out["skipped"]:
-            skipped.append(step)
+    with group_of_one(cpu):
+        trainer = ddp_amp.Trainer(model, None, optimizer, cpu, max_norm=1.0, scaler=scaler)
+        for step in range(25):
+            batch = (x_train[step * 32:(step + 1) * 32], y_train[step * 32:(step + 1) * 32])
+            if step == 12:
+                batch = amp_train.inject_inf(batch)
+            out = amp_train.watched_step(trainer, batch)
+            scales.append(out["scale"])
+            if out["skipped"]:
+                skipped.append(step)
     print("skipped steps:", skipped, "| scale now", scaler.get_scale())
     plt.figure(figsize=(6, 2.5))
     plt.step(range(len(scales)), scales, where="post")
@@ -175,21 +207,23 @@ with needs_tasks():
 
 # %% [markdown]
 # ## 5. The scaler goes into the checkpoint (task 06.2)
+#
+# A resumed fp16 run needs the scale it had reached: a fresh scaler starts at 65536 and skips
+# steps until it has backed off again. Lesson 03's `_save_checkpoint` (rank 0 writes, everyone
+# waits) saves the scaler's state too, and `__init__` puts it back on resume.
 
 # %%
 with needs_tasks():
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = amp_train.save_checkpoint(Path(tmp) / "amp.pt", model, optimizer, scaler, step=25,
-                                         precision="fp16")
+    with tempfile.TemporaryDirectory() as tmp, group_of_one(cpu):
+        trainer.checkpoint_path = Path(tmp) / "amp.pt"
+        trainer._save_checkpoint(25)
         fresh_model = MLP()
         fresh_opt = torch.optim.SGD(fresh_model.parameters(), lr=0.05, momentum=0.9)
         fresh_scaler = torch.amp.GradScaler("cpu")
         print("fresh scaler:", fresh_scaler.get_scale())
-        step = amp_train.load_checkpoint(path, fresh_model, fresh_opt, fresh_scaler)
-        print(f"resumed at step {step}: scale {fresh_scaler.get_scale()}, "
+        resumed = ddp_amp.Trainer(fresh_model, None, fresh_opt, cpu, scaler=fresh_scaler,
+                                  resume_from=trainer.checkpoint_path)
+        print(f"resumed at step {resumed.epochs_run}: scale {fresh_scaler.get_scale()}, "
               f"state {fresh_scaler.state_dict()}")
 
 # %% [markdown]
@@ -203,21 +237,22 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    def run(dtype, steps=100, batch=16):
+    def run(prec, steps=100, batch=16):
         torch.manual_seed(0)
         m = MLP()
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         g = torch.Generator().manual_seed(0)
         losses, t0 = [], time.perf_counter()
-        for _ in range(steps):
-            idx = torch.randint(0, len(x_train), (batch,), generator=g)
-            losses.append(amp_train.amp_train_step(m, (x_train[idx], y_train[idx]), opt, cpu,
-                                                   dtype)["loss"])
+        with group_of_one(cpu):
+            t = ddp_amp.Trainer(m, None, opt, cpu, precision=prec)
+            for _ in range(steps):
+                idx = torch.randint(0, len(x_train), (batch,), generator=g)
+                losses.append(t._run_batch(x_train[idx], y_train[idx]))
         return losses, time.perf_counter() - t0
 
 
-    fp32_losses, fp32_s = run(None)
-    bf16_losses, bf16_s = run(torch.bfloat16)
+    fp32_losses, fp32_s = run("fp32")
+    bf16_losses, bf16_s = run("bf16")
     mean = lambda v: sum(v) / len(v)  # noqa: E731
     print(f"last-50 mean loss: fp32 {mean(fp32_losses[-50:]):.3f}, "
           f"bf16 {mean(bf16_losses[-50:]):.3f}")
@@ -235,22 +270,24 @@ with needs_tasks():
 # %% [markdown]
 # ## 7. With DDP (task 06.3)
 #
-# `ddp_amp.py` is lesson 03's DDP script plus `--precision {32,bf16,fp16}`. Nothing in DDP
-# changes: it wraps the fp32 model, autocast casts inside the ops, and the gradients DDP
-# all-reduces are the parameters' gradients, fp32. A communication hook (task 06.3) records
-# the dtype of every bucket before doing DDP's default all-reduce. (To all-reduce in 16 bits
-# you would have to ask for it: `fp16_compress_hook` / `bf16_compress_hook`.)
+# Nothing in DDP changes: it wraps the fp32 model, autocast casts inside the ops, and the
+# gradients DDP all-reduces are the parameters' gradients, fp32. `amp_inspect.py` shows it: a
+# communication hook (task 06.3) records the dtype of every bucket before doing DDP's default
+# all-reduce. (To all-reduce in 16 bits you would have to ask for it: `fp16_compress_hook` /
+# `bf16_compress_hook`.)
 #
 # The ranks are separate processes. A notebook's own functions cannot be pickled for them, so
-# we launch `ddp_amp.train_ddp`, a function that lives in a lesson file, with
-# `dpt.testing.run_distributed` (two CPU processes, gloo, one thread each).
+# we launch `amp_inspect.ddp_dtypes`, a function that lives in a lesson file and trains a few
+# steps of `ddp_amp.Trainer` with the hook, with `dpt.testing.run_distributed` (two CPU
+# processes, gloo, one thread each).
 
 # %%
 with needs_tasks():
     from dpt.testing import run_distributed
 
-    results = run_distributed(ddp_amp.train_ddp, world_size=2,
-                              kwargs={"precision": "bf16", "steps": 4, "batch_size": 16})
+    results = run_distributed(amp_inspect.ddp_dtypes, world_size=2, backend="gloo",
+                              kwargs={"precision": "bf16", "steps": 4, "batch_size": 16},
+                              timeout=300)
     for r in results:
         print(f"rank {r['rank']}: all-reduced {r['allreduce_dtypes']}, params {r['param_dtypes']}, "
               f"last loss {r['losses'][-1]:.3f}")
@@ -258,21 +295,30 @@ with needs_tasks():
 
 # %% [markdown]
 # From a terminal, at the repository root: `.venv/bin/python
-# exercises/06_mixed_precision/ddp_amp.py --precision bf16 --nprocs 2 --steps 50`, or under
-# torchrun: `.venv/bin/torchrun --standalone --nproc-per-node 2
-# exercises/06_mixed_precision/ddp_amp.py --precision 32`.
+# exercises/06_mixed_precision/ddp_amp.py -g 2 --precision bf16 --limit-batches 50`, the
+# whole lesson-03 script in bf16 (`--precision auto` picks for the machine; `--clip 1.0`
+# clips), or `.venv/bin/python exercises/06_mixed_precision/amp_inspect.py` for the cast
+# map and the all-reduced dtypes.
 #
 # ## 8. Apex, the historical path (task 06.4)
 #
-# | Apex | what it did | today |
+# | Apex | what it did | what does its job in `torch.amp` |
 # |---|---|---|
-# | `opt_level="O0"` | fp32, amp off | no autocast, no scaler |
-# | `opt_level="O1"` | patch torch functions: matmul/conv in fp16, softmax/loss in fp32; dynamic loss scale | `torch.autocast(..., dtype=float16)` + `GradScaler` (or bf16, no scaler) |
-# | `opt_level="O2"` | fp16 model (batch norm in fp32) + fp32 master weights in the optimizer; loss scale | autocast + GradScaler covers it; an fp16 model with fp32 masters is FSDP's `MixedPrecisionPolicy` |
-# | `opt_level="O3"` | pure fp16, no master weights | `model.half()`: a speed baseline, rarely trainable |
-# | `amp.initialize(model, opt, ...)` | patch model and optimizer | nothing to initialize: create a `GradScaler` |
-# | `with amp.scale_loss(loss, opt) as s: s.backward()` | scaled backward | `scaler.scale(loss).backward(); scaler.step(opt); scaler.update()` |
-# | `apex.parallel.DistributedDataParallel` | Apex's DDP | `torch.nn.parallel.DistributedDataParallel` |
+# | `opt_level="O0"` | fp32, amp off | no autocast, no loss scaling: `--precision fp32` |
+# | `opt_level="O1"` | patch torch functions: matmul/conv in fp16, softmax/loss in fp32; dynamic loss scale | the same idea without patching: autocast picks each op's dtype inside a region you open; a `GradScaler` object scales the loss (bf16 needs none) |
+# | `opt_level="O2"` | fp16 model (batch norm in fp32) + fp32 master weights in the optimizer; loss scale | not needed: under autocast the model's own fp32 weights *are* the master weights; a 16-bit model with fp32 masters is FSDP's `MixedPrecisionPolicy` (lesson 08) |
+# | `opt_level="O3"` | pure fp16, no master weights | casting the model itself: a speed baseline, rarely trainable |
+# | `amp.initialize(model, opt, ...)` | patch model and optimizer | nothing to initialize or patch: create the scaler once, open autocast where the forward runs |
+# | `with amp.scale_loss(loss, opt) as s: s.backward()` | scaled backward | the scaler's own calls around backward and the optimizer's step, and one to adapt the scale: task 06.1 |
+# | `amp.master_params(opt)`, to clip | the fp32 copies | the model's parameters; clip only once the scaler has unscaled their gradients |
+# | `amp.state_dict()` in a checkpoint | the loss scale | the scaler's own state, saved and restored with the model: task 06.2 |
+# | `apex.parallel.DistributedDataParallel` | Apex's DDP | `torch.nn.parallel.DistributedDataParallel`, unchanged from lesson 03 |
+#
+# The calls themselves are in PyTorch's documentation: the `torch.amp` reference
+# (https://pytorch.org/docs/stable/amp.html), its examples
+# (https://pytorch.org/docs/stable/notes/amp_examples.html: typical training, gradient
+# clipping) and the AMP recipe (https://pytorch.org/tutorials/recipes/recipes/amp_recipe.html:
+# saving and resuming). `apex_amp.py` prints the same mapping.
 #
 # That tutorial warns that `opt_level` starts with the capital **letter O**. `'01'` with a zero is
 # the classic typo; `check_opt_level` turns it into an error that says so.

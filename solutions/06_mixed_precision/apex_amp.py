@@ -28,38 +28,56 @@ import sys
 
 import torch
 
-# opt_level -> (what Apex did, what to write today)
+# Where to read how torch.amp does each piece (the exact code of tasks 06.1 and 06.2 is yours).
+DOCS = ("https://pytorch.org/docs/stable/amp.html",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html",
+        "https://pytorch.org/tutorials/recipes/recipes/amp_recipe.html")
+
+# opt_level -> (what Apex did, what plays that part in torch.amp)
 OPT_LEVELS = {
     "O0": ("pure fp32: amp does nothing (the baseline to compare against)",
-           "no autocast, no scaler"),
-    "O1": ("patch torch functions: whitelisted ops (matmul, conv) in fp16, blacklisted ones "
+           "no autocast, no loss scaling: --precision fp32"),
+    "O1": ("patch torch functions: allow-listed ops (matmul, conv) in fp16, deny-listed ones "
            "(softmax, losses) in fp32; weights stay fp32; dynamic loss scaling",
-           "torch.autocast(device_type, dtype=torch.float16) + torch.amp.GradScaler; "
-           "or dtype=torch.bfloat16 without a scaler"),
+           "the same idea, without patching: autocast chooses each op's dtype inside a "
+           "region you open, and a GradScaler object does the dynamic loss scaling (bf16 "
+           "autocast needs none)"),
     "O2": ("cast the model to fp16 (batch norm kept fp32), keep fp32 master weights in the "
            "optimizer, dynamic loss scaling",
-           "autocast + GradScaler (fp32 weights, per-op casts) covers it; a hand-made fp16 "
-           "model with fp32 master copies is what FSDP's MixedPrecisionPolicy(param_dtype=...) "
-           "does today"),
+           "not needed: under autocast the model's own fp32 weights are the master weights "
+           "and each op computes on a low-precision copy; a low-precision model with fp32 "
+           "masters is what FSDP's MixedPrecisionPolicy(param_dtype=...) offers (lesson 08)"),
     "O3": ("pure fp16: model and optimizer in fp16, no master weights (a speed baseline, "
            "often unstable)",
-           "model.half() (or .to(torch.bfloat16)); rarely what you want for training"),
+           "casting the model itself to 16 bits: no master weights, small updates round "
+           "away; rarely what you want for training"),
 }
 
+# Apex concept -> its torch.amp counterpart, in words; the docs above show the calls.
 API_MAP = [
-    ("from apex import amp", "import torch  (torch.amp)"),
+    ("from apex import amp", "nothing to install: torch.amp is part of PyTorch (since 1.6)"),
     ("amp.initialize(model, optimizer, opt_level='O1')",
-     "scaler = torch.amp.GradScaler('cuda'); wrap forward+loss in torch.autocast('cuda', "
-     "dtype=torch.float16)"),
+     "nothing to initialize and nothing patched: the model and the optimizer stay as they "
+     "are; autocast is a context you open around some code, and the loss scaler is an object "
+     "of its own (torch.amp.GradScaler), created once"),
     ("with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()",
-     "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"),
-    ("amp.master_params(optimizer) for clipping",
-     "scaler.unscale_(optimizer); clip_grad_norm_(model.parameters(), max_norm)"),
-    ("amp.state_dict() / amp.load_state_dict()", "scaler.state_dict() / scaler.load_state_dict()"),
+     "the GradScaler does what scale_loss did, in separate calls: one around backward, one "
+     "that steps the optimizer (or skips the step after an overflow), one that adapts the "
+     "scale; which calls, in which order: task 06.1, and the examples' 'Typical Mixed "
+     "Precision Training'"),
+    ("amp.master_params(optimizer), to clip the gradients",
+     "the model's own (fp32) parameters; their gradients are scaled until the scaler has "
+     "unscaled them, which clipping must wait for (the examples: 'Gradient clipping')"),
+    ("amp.state_dict() / amp.load_state_dict(), in a checkpoint",
+     "the scaler has a state of its own (its current scale and counters), which goes into "
+     "the checkpoint and comes back on resume (task 06.2; the AMP recipe: 'Saving/Resuming')"),
     ("apex.parallel.DistributedDataParallel(model)",
-     "torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])"),
-    ("apex.parallel.convert_syncbn_model(model)", "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
-    ("python -m torch.distributed.launch ... --local_rank", "torchrun ...; LOCAL_RANK from the env"),
+     "torch.nn.parallel.DistributedDataParallel as in lesson 03, unchanged: it all-reduces "
+     "the fp32 parameters' gradients"),
+    ("apex.parallel.convert_syncbn_model(model)",
+     "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)"),
+    ("python -m torch.distributed.launch ... --local_rank",
+     "torchrun, with LOCAL_RANK in the environment (lesson 04)"),
 ]
 
 
@@ -114,9 +132,10 @@ def print_tables() -> None:
     print("Apex opt_level -> what it did -> today")
     for level, (then, now) in OPT_LEVELS.items():
         print(f"  {level}: {then}\n      today: {now}")
-    print("\nApex call -> torch equivalent")
+    print("\nApex call -> what does its job in torch")
     for old, new in API_MAP:
         print(f"  {old}\n      -> {new}")
+    print("\nThe calls themselves:\n" + "\n".join(f"  {url}" for url in DOCS))
 
 
 def train_with_apex(opt_level: str, steps: int, batch_size: int = 64) -> list[float]:  # pragma: no cover - needs CUDA + Apex
@@ -162,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = apex_status()
     if not ok:
         print(f"\nApex variant not run: {why}")
-        print("The torch.amp version of the same training is amp_train.py.")
+        print("The torch.amp version of the same training is ddp_amp.py (amp_train.py: one "
+              "process).")
         return 0
     losses = train_with_apex(level, args.steps)  # pragma: no cover
     print(f"Apex {level}: {len(losses)} steps, last loss {losses[-1]:.4f}")  # pragma: no cover

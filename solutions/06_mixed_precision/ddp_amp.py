@@ -1,208 +1,250 @@
-"""Lesson 06: DDP with ``--precision {32,bf16,fp16}``, and where the casts happen.
+"""Lesson 06: lesson 03's DDP training in mixed precision, with ``--precision``.
 
-Lesson 03's DDP script plus one flag. Nothing about DDP changes: the parameters stay fp32,
-autocast casts *copies* of them to bf16/fp16 for each matmul/conv in the forward, autograd
-casts the gradients back to the parameter's dtype (fp32) on the way out, and DDP all-reduces
-those fp32 gradients. A communication hook records the dtype of every bucket it all-reduces,
-so you can see it.
+This file is lesson 03's ``ddp_spawn.py`` plus what mixed precision takes (``CHANGES.diff``
+lists it): the forward and the loss run under ``torch.autocast``, in bf16 or fp16, while the
+weights, the gradients and the optimizer stay fp32; fp16 adds a ``GradScaler``, which scales
+the loss so that small gradients survive fp16, unscales them before clipping and before the
+step, skips a step whose gradients overflowed, and adapts the scale; and the scaler's state
+goes into the checkpoint. Nothing about DDP changes: it all-reduces the fp32 gradients.
 
-    .venv/bin/python solutions/06_mixed_precision/ddp_amp.py --precision bf16 --nprocs 2 --steps 50       # spawns 2 CPU ranks
-    .venv/bin/torchrun --standalone --nproc-per-node 2 solutions/06_mixed_precision/ddp_amp.py --precision 32 --steps 50
-    .venv/bin/python solutions/06_mixed_precision/ddp_amp.py --precision fp16 --device cuda --nprocs 2      # GPUs: fp16 + GradScaler
+``--precision`` (``dpt.precision``): ``fp32``, ``bf16``, ``fp16`` (a CUDA GPU), or ``auto``,
+which each rank resolves for its own device: bf16 on GPUs of compute capability 8 and up,
+fp16 with a scaler on older ones; on a CPU bf16 only with bf16 instructions, else fp32.
 
-(fp16 on CPU is refused with a clear error: it is the CUDA recipe.)
+Run it, from the repository root, on your own tree::
+
+    python exercises/06_mixed_precision/ddp_amp.py -g 2 --precision bf16 --limit-batches 50
+    python exercises/06_mixed_precision/ddp_amp.py -g 2 --precision auto --clip 1.0 --checkpoint ck.pt
+    python exercises/06_mixed_precision/ddp_amp.py -g 2 --device cuda --precision fp16  # GPUs
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from amp_train import PrecisionError, amp_train_step, choose_precision, make_scaler
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from dpt.data import DataError, TensorLoader, check_batch_size, load_tensors, prepare_distributed
-from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
-from dpt.dist import cleanup, find_free_port, rank0_print, rank_device, setup
-from dpt.models import build_model
+from dpt import checkpoint as ckpt
+from dpt import cli
+from dpt.data import TensorLoader
+from dpt.dist import rank0_print, setup
+from dpt.precision import NAMES, add_precision_argument, choose_precision
 
 
-class DtypeRecorder:
-    """State for :func:`recording_allreduce_hook`: the dtype of each bucket all-reduced."""
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
+    """Join the job as process ``local_rank`` of machine ``args.nr``.
 
-    def __init__(self, group=None):
-        self.group = group
-        self.dtypes: list[torch.dtype] = []
-
-
-def recording_allreduce_hook(state, bucket):
-    """A DDP comm hook: note the bucket's dtype, then do exactly what DDP does by default.
-
-    (No type annotations: DDP checks them, and ``from __future__ import annotations`` would
-    turn them into strings it rejects.)
+    ``args.nodes`` machines each start ``args.gpus`` processes; the ranks are numbered machine
+    after machine. Returns ``(rank, world_size, device)``; ``dpt.dist.setup`` does the joining
+    (backend, device, CPU threads) once it knows who this process is.
     """
-    # BEGIN SOLUTION 06.3: record the bucket's dtype, then do DDP's default all-reduce
-    state.dtypes.append(bucket.buffer().dtype)
-    return allreduce_hook(state.group, bucket)
+    # BEGIN SOLUTION 03.1: copy your answer from lesson 03
+    rank = args.nr * args.gpus + local_rank
+    world_size = args.nodes * args.gpus
+    device = setup(rank, world_size, local_rank, args.device, timeout_s=args.timeout,
+                   threads=args.threads, local_world_size=args.gpus)
+    return rank, world_size, device
     # END SOLUTION
 
 
-def cast_map(model: nn.Module, x: torch.Tensor, device: torch.device,
-             dtype: torch.dtype | None) -> list[dict]:
-    """Run one forward under autocast and report, per leaf module, the dtypes it saw.
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
+                       shuffle: bool = True, seed: int = 0) -> TensorLoader:
+    """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
+    every sample. With ``shuffle``, the order is random, the same ``seed`` on every rank."""
+    # BEGIN SOLUTION 03.2: copy your answer from lesson 03
+    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)
+    return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)
+    # END SOLUTION
 
-    Rows: module name, type, parameter dtype, input dtype, output dtype. Under bf16 autocast
-    the parameters stay fp32 while conv/linear outputs are bf16: the cast happens inside
-    the op, on a copy of the weight.
+
+class Trainer:
+    """Trains ``model`` on this rank's ``train_data``; rank 0 checkpoints every ``save_every``.
+
+    ``precision`` (see ``dpt.precision``) gives autocast's dtype on this rank's device,
+    ``self.dtype`` (None: fp32). ``self.scaler`` is a GradScaler, enabled for fp16 only (a
+    disabled one passes everything through unchanged); ``scaler`` replaces it (the tests and
+    ``amp_train.py`` pass their own). ``max_norm``: clip the gradients' norm to it.
     """
-    rows, handles = [], []
-    for name, mod in model.named_modules():
-        if list(mod.children()):
-            continue
 
-        def hook(m, inp, out, name=name):
-            p = next(m.parameters(), None)
-            rows.append({"module": name, "type": type(m).__name__,
-                         "param": str(p.dtype).replace("torch.", "") if p is not None else "-",
-                         "input": str(inp[0].dtype).replace("torch.", ""),
-                         "output": str(out.dtype).replace("torch.", "")})
+    def __init__(self, model: nn.Module, train_data, optimizer: torch.optim.Optimizer,
+                 device: torch.device, save_every: int = 1,
+                 checkpoint_path: str | Path | None = None, progress: bool = False,
+                 resume_from: str | Path | None = None, precision: str = "fp32",
+                 max_norm: float | None = None, scaler: torch.amp.GradScaler | None = None):
+        self.device = device
+        self.model = model.to(device)  # the weights stay fp32: autocast casts copies per op
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.checkpoint_path = checkpoint_path
+        self.progress = progress
+        self.dtype, scaled = choose_precision(device, precision)
+        self.scaler = scaler or torch.amp.GradScaler(device.type, enabled=scaled)
+        self.max_norm = max_norm
+        rank0_print(f"autocast {NAMES[self.dtype]}, loss scaling "
+                    f"{'on' if self.scaler.is_enabled() else 'off'}")
+        self.epochs_run = 0  # epochs finished: train() continues from here
+        self.history: list[float] = []  # the loss of every step, for the loss curve
+        if resume_from:  # the model is on its device: the momentum goes there too
+            state = load_checkpoint(resume_from, self.model, optimizer, device)
+            # BEGIN SOLUTION 06.2: an enabled scaler resumes at the scale it had reached
+            if self.scaler.is_enabled():
+                if not state.get("scaler"):
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {resume_from} has no GradScaler state, but this run scales "
+                        "its loss (its GradScaler is on): resume it from a scaled run's checkpoint")
+                self.scaler.load_state_dict(state["scaler"])
+            # END SOLUTION
+            self.epochs_run = state["epoch"]
+            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")
+        # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
+        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
-        handles.append(mod.register_forward_hook(hook))
-    try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            model(x.to(device))
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimization step on one batch (already on the device); returns its loss.
+
+        Only the forward and the loss run under autocast (in ``self.dtype``). The backward
+        and the step go through ``self.scaler``; clipping (``self.max_norm``) sees the true,
+        unscaled gradients.
+        """
+        # BEGIN SOLUTION 06.1: lesson 01's step, with autocast for the forward and the loss, and the scaler around backward, clipping and step
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            loss = F.cross_entropy(self.model(source), targets)
+        self.scaler.scale(loss).backward()
+        if self.max_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # .grad holds the true gradients now
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        self.scaler.step(self.optimizer)  # skips the step if a gradient is inf or NaN
+        self.scaler.update()
+        return loss.item()
+        # END SOLUTION
+
+    # CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+    def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
+        """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
+        # BEGIN SOLUTION 03.3: copy your answer from lesson 03
+        self.train_data.sampler.set_epoch(epoch)
+        # END SOLUTION
+        self.model.train()
+        losses = []
+        for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
+                                           self.progress):
+            source, targets = source.to(self.device), targets.to(self.device)
+            losses.append(self._run_batch(source, targets))
+        self.history.extend(losses)
+        return sum(losses) / max(1, len(losses))
+
+    def _save_checkpoint(self, epoch: int) -> None:
+        """Rank 0 alone writes the plain model (no ``module.``) and the scaler's state;
+        nobody goes on before the file is complete."""
+        # BEGIN SOLUTION 06.2: lesson 03's checkpoint, with the scaler's state in it
+        if dist.get_rank() == 0:
+            save_checkpoint(self.checkpoint_path, self.model.module, self.optimizer, epoch,
+                            scaler=self.scaler.state_dict())
+        dist.barrier()
+        # END SOLUTION
+
+    # CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+    def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
+        """Run epochs ``epochs_run .. max_epochs-1``; returns each epoch's mean loss."""
+        losses = []
+        for epoch in range(self.epochs_run, max_epochs):
+            losses.append(self._run_epoch(epoch, limit_batches))
+            rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")
+            self.epochs_run = epoch + 1
+            if self.checkpoint_path and self.epochs_run % self.save_every == 0:
+                self._save_checkpoint(self.epochs_run)
+        return losses
 
 
-def synthetic_data(n: int = 512, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
+    """``(correct, total)`` over the WHOLE dataset, the same on every rank, as ints.
 
-
-def train_ddp(rank: int, world_size: int, precision: str = "bf16", steps: int = 20,
-              batch_size: int = 32, data: str = "synthetic", lr: float = 0.02,
-              device: str = "auto", seed: int = 0, clip: float | None = 1.0,
-              force_scaler: bool = False) -> dict:
-    """One rank of DDP training with autocast. Joins the process group unless already in one.
-
-    ``device`` is used when this function starts the group itself (``auto``: this rank's GPU
-    under NCCL, else the CPU with gloo); inside an existing group, the group's backend decides
-    (``dpt.dist.rank_device``), so a gloo group never gets CUDA tensors, nor NCCL CPU ones.
-    Returns what the tests and the notebook look at: losses, the dtypes DDP all-reduced,
-    the parameters' dtypes, a flat copy of the final parameters, and the scaler's scale.
+    ``loader`` holds this rank's share (a ``DistributedSampler`` without shuffling), which
+    repeats a few samples when the dataset does not divide evenly: each sample counts once.
+    The model predicts in eval mode and is left in the mode it was in.
     """
-    own_group = not dist.is_initialized()
-    if own_group:  # this machine's GPU number is the local rank, not the global one
-        dev = setup(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)), device)
-    else:  # already in a group (the tests, the notebook): its backend decides the device
-        dev = rank_device()
+    # BEGIN SOLUTION 03.5: copy your answer from lesson 03
+    was_training = model.training
+    model.eval()
+    sampler = loader.sampler  # positions rank, rank + N, ... of a list padded past the data
+    real = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+    correct = total = 0
+    for inputs, targets in loader:
+        keep = min(len(targets), real - total)  # the rest of this share is padding
+        inputs, targets = inputs[:keep].to(device), targets[:keep].to(device)
+        correct += int((model(inputs).argmax(dim=1) == targets).sum())
+        total += len(targets)
+    model.train(was_training)
+    counts = torch.tensor([correct, total], device=device)
+    dist.all_reduce(counts)
+    return int(counts[0]), int(counts[1])
+    # END SOLUTION
+
+
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    epoch: int, **extra) -> Path:
+    """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
+
+    A crash in the middle of a save must never leave a broken file at ``path``, and the
+    model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
+    """
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
+    state = {"model": getattr(model, "module", model).state_dict(),
+             "optimizer": optimizer.state_dict(), "epoch": epoch, **extra}
+    return ckpt.atomic_save(state, path)
+    # END SOLUTION
+
+
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    device: torch.device | str = "cpu") -> dict:
+    """Load what :func:`save_checkpoint` wrote into ``model`` (and ``optimizer``), tensors
+    onto ``device``; return the whole dict (``["epoch"]`` is where training resumes).
+
+    A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
+    """
+    # BEGIN SOLUTION 01.3: copy your answer from lesson 01
+    state = ckpt.load(path, map_location=device)
+    getattr(model, "module", model).load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+    # END SOLUTION
+
+
+def run(local_rank: int, args) -> dict:
+    """What each process of the job does (``mp.spawn`` calls it), from joining to leaving."""
+    rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        dtype, needs_scaler = choose_precision(dev, precision)
-        torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts them)
-        model = build_model("convnet").to(dev)
-        ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        recorder = DtypeRecorder()
-        ddp.register_comm_hook(recorder, recording_allreduce_hook)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-        scaler = make_scaler(dev, needs_scaler or force_scaler)
-        x, y = synthetic_data(seed=seed) if data == "synthetic" else load_tensors(data, True)
-        sampler = DistributedSampler(range(len(x)), num_replicas=world_size, rank=rank,
-                                     shuffle=True, seed=seed)
-        loader = TensorLoader(x, y, batch_size=batch_size, sampler=sampler)
-        casts = cast_map(model, x[:2], dev, dtype) if rank == 0 else []
-        losses, skipped, step, epoch = [], 0, 0, 0
-        while step < steps:
-            loader.set_epoch(epoch)
-            for batch in loader:
-                if step >= steps:
-                    break
-                out = amp_train_step(ddp, batch, optimizer, dev, dtype, scaler, max_norm=clip)
-                losses.append(out["loss"])
-                skipped += out["skipped"]
-                step += 1
-            epoch += 1
-        flat = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
-        return {"rank": rank, "losses": losses, "skipped": skipped,
-                "allreduce_dtypes": sorted({str(d) for d in recorder.dtypes}),
-                "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-                "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()
-                                       if p.grad is not None}),
-                "params": flat, "casts": casts,
-                "scale": scaler.get_scale() if scaler else None}
+        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
+                                      checkpoint_path=args.checkpoint, resume_from=args.resume,
+                                      precision=args.precision, max_norm=args.clip or None)
     finally:
-        if own_group:
-            cleanup()
+        dist.destroy_process_group()
 
 
-def _spawned(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _report(train_ddp(rank, args.nprocs, args.precision, args.steps, args.batch_size,
-                      args.data, args.lr, args.device, args.seed))
-
-
-def _report(result: dict) -> None:
-    if result["rank"] != 0:
-        return
-    for row in result["casts"]:
-        print(f"  {row['module']:10} {row['type']:12} param {row['param']:8} "
-              f"in {row['input']:9} out {row['output']}")
-    losses = result["losses"]
-    tail = losses[-10:]
-    print(f"all-reduced gradient dtypes: {result['allreduce_dtypes']} | parameters: "
-          f"{result['param_dtypes']} | grads: {result['grad_dtypes']}")
-    print(f"{len(losses)} steps, last-10 mean loss {sum(tail) / max(1, len(tail)):.4f}, "
-          f"skipped {result['skipped']}", flush=True)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--precision", default="bf16", choices=("32", "bf16", "fp16", "auto"))
-    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES)
-    p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--data", default="synthetic", help="synthetic or fashion-mnist")
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
+def build_parser():
+    p = cli.add_spawn_flags(cli.parser("Lesson 06: DDP in mixed precision.", per_rank=True))
+    add_precision_argument(p)
+    p.add_argument("--clip", type=float, default=None, help="largest gradient norm (0: none)")
+    p.add_argument("--checkpoint", default=None, help="rank 0 saves here after each epoch")
+    p.add_argument("--resume", default=None, help="every rank starts from this checkpoint")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        check_batch_size(args.batch_size)
-        if args.nprocs < 1:
-            raise ValueError(f"--nprocs must be >= 1, got {args.nprocs}")
-        dev = pick_device(args.device, distributed=True)
-        choose_precision(dev, args.precision)  # fail here, once, not in every rank
-        if dev.type == "cuda" and args.nprocs > torch.cuda.device_count():
-            raise DeviceError(f"--nprocs {args.nprocs} needs {args.nprocs} GPUs; this machine "
-                              f"has {torch.cuda.device_count()}")
-        if args.data != "synthetic":
-            prepare_distributed(args.data)
-        if "RANK" in os.environ:  # torchrun
-            args.nprocs = int(os.environ["WORLD_SIZE"])
-            rank = int(os.environ["RANK"])
-            _report(train_ddp(rank, args.nprocs, args.precision, args.steps, args.batch_size,
-                              args.data, args.lr, args.device, args.seed))
-        else:
-            rank0_print(f"spawning {args.nprocs} ranks, precision {args.precision}")
-            mp.spawn(_spawned, args=(args, find_free_port()), nprocs=args.nprocs)
-    except (ValueError, DeviceError, DataError, PrecisionError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.main(lambda args: cli.spawn(run, args), build_parser()))

@@ -29,7 +29,5 @@ def zero_demo(rank: int, world_size: int) -> dict:
 
 
 def amp_ddp(rank: int, world_size: int, precision: str) -> dict:
-    ddp_amp = load("06_mixed_precision", "ddp_amp")
-    out = ddp_amp.train_ddp(rank, world_size, precision=precision, steps=3, batch_size=8)
-    out.pop("casts")
-    return out
+    amp_inspect = load("06_mixed_precision", "amp_inspect")
+    return amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3, batch_size=8)

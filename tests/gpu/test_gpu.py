@@ -26,30 +26,35 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 @gpu
 def test_precision_auto_is_bf16_only_where_the_gpu_has_it_natively():
-    amp = load("06_mixed_precision", "amp_train")
+    from dpt.precision import choose_precision
+
     device = torch.device("cuda", 0)
-    dtype, scaler = amp.choose_precision(device, "auto")
+    dtype, scaler = choose_precision(device, "auto")
     native = torch.cuda.get_device_properties(device).major >= 8
     assert (dtype, scaler) == ((torch.bfloat16, False) if native else (torch.float16, True))
 
 
 @gpu
 def test_fp16_step_skips_an_injected_inf_and_backs_off():
+    from dpt.dist import group_of_one
     from dpt.models import ConvNet
 
     amp = load("06_mixed_precision", "amp_train")
+    ddp_amp = load("06_mixed_precision", "ddp_amp")
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    model = ConvNet().to(device)
+    model = ConvNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = amp.make_scaler(device, True)
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g))
-    out = amp.amp_train_step(model, batch, opt, device, torch.float16, scaler, max_norm=1.0)
-    assert math.isfinite(out["loss"]) and not out["skipped"]
-    before = [p.detach().clone() for p in model.parameters()]
-    out = amp.amp_train_step(model, amp.inject_inf(batch), opt, device, torch.float16, scaler)
-    assert out["skipped"] and scaler.get_scale() == out["scale"] / 2
+    with group_of_one(device):  # the lesson's Trainer wraps its model in DDP
+        trainer = ddp_amp.Trainer(model, None, opt, device, precision="fp16", max_norm=1.0)
+        assert trainer.scaler.is_enabled()
+        out = amp.watched_step(trainer, batch)
+        assert math.isfinite(out["loss"]) and not out["skipped"]
+        before = [p.detach().clone() for p in model.parameters()]
+        out = amp.watched_step(trainer, amp.inject_inf(batch))
+        assert out["skipped"] and trainer.scaler.get_scale() == out["scale"] / 2
     for p, q in zip(model.parameters(), before):
         torch.testing.assert_close(p, q, rtol=0, atol=0)  # the step was skipped
 

@@ -69,17 +69,21 @@ def test_the_shared_setup_puts_ranks_on_the_cpu_under_auto(mac, monkeypatch, cap
 
 
 def test_lesson06_ddp_refuses_mps_in_one_line(mac, capsys):
+    from dpt import cli
+
     ddp_amp = load("06_mixed_precision", "ddp_amp")
-    assert ddp_amp.main(["--device", "mps", "--nprocs", "2"]) == 2
+    assert cli.main(lambda args: cli.spawn(ddp_amp.run, args), ddp_amp.build_parser(),
+                    ["--device", "mps", "-g", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "MPS" in err[0]
 
 
 def test_lesson06_single_process_keeps_mps(mac):
-    amp = load("06_mixed_precision", "amp_train")
+    from dpt.precision import choose_precision
+
     assert pick_device("auto").type == "mps"
     # autocast on MPS: fp32 (bf16 is refused there with its reason), never an error for auto
-    dtype, scaler = amp.choose_precision(torch.device("mps"), "auto")
+    dtype, scaler = choose_precision(torch.device("mps"), "auto")
     assert dtype is None and scaler is False
 
 

@@ -143,7 +143,7 @@ def test_no_command_in_the_students_tree_runs_the_solutions():
                       "answers, not the student's code):\n" + "\n".join(hits[:20]))
 
 
-# ------------------------------------------------------------- lessons as diffs (01 -> 03 -> 04)
+# ------------------------------------------------- lessons as diffs (01 -> 03 -> 04, 03 -> 06)
 
 # The most lines of code one lesson may change in the previous lesson's main file: "about 80",
 # what a reader takes in as one step (PyTorch's DDP tutorial series grows by 40 and 59 lines).

@@ -19,15 +19,15 @@ def hook_under_bf16(rank: int, world_size: int) -> dict:
     """DDP + bf16 autocast with the lesson's recording hook, written without the lesson's
     train step (so this tests task 06.3 alone). Returns the recorded dtypes, this rank's
     local gradients (from an unwrapped copy), the DDP gradients and the final parameters."""
-    import ddp_amp  # the lesson module, from the tree under test
+    import amp_inspect  # the lesson module, from the tree under test
 
     torch.manual_seed(0)
     model = ConvNet(batch_norm=False)
     local = ConvNet(batch_norm=False)
     local.load_state_dict(model.state_dict())
     ddp = DDP(model)
-    recorder = ddp_amp.DtypeRecorder()
-    ddp.register_comm_hook(recorder, ddp_amp.recording_allreduce_hook)
+    recorder = amp_inspect.DtypeRecorder()
+    ddp.register_comm_hook(recorder, amp_inspect.recording_allreduce_hook)
     x, y = _batch(rank, 0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(ddp(x), y)
@@ -44,10 +44,9 @@ def hook_under_bf16(rank: int, world_size: int) -> dict:
     return out
 
 
-def lesson_train_ddp(rank: int, world_size: int, precision: str) -> dict:
-    """The lesson's own DDP training function, a few small steps on synthetic data."""
-    import ddp_amp
+def lesson_trainer_ddp(rank: int, world_size: int, precision: str) -> dict:
+    """The lesson's own Trainer under DDP, a few small steps on synthetic data, with the
+    lesson's recording hook (``amp_inspect.ddp_dtypes``)."""
+    import amp_inspect
 
-    out = ddp_amp.train_ddp(rank, world_size, precision=precision, steps=3, batch_size=8)
-    out.pop("casts")
-    return out
+    return amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3, batch_size=8)
