@@ -110,8 +110,10 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
     after the wrapper's own). All-reduces: ``dist.all_reduce`` is wrapped for the recorded
     steps; a call is timed from launch to return, or, launched with ``async_op=True``, to the
     moment its future completes. Of ``steps`` recorded steps per variant (after ``warmup``),
-    the one with the median length is kept. The clock is the host's: on a GPU the hooks fire
-    when kernels are queued, not run, so measure this on the CPU (gloo).
+    the one with the median length is kept. ``buckets`` lists, per bucket, the layers with a
+    parameter in it: a layer's bias (registered after its weight, so bucketed before it) can
+    close one bucket while its weight opens the next. The clock is the host's: on a GPU the
+    hooks fire when kernels are queued, not run, so measure this on the CPU (gloo).
     """
     import time
 
