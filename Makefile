@@ -15,7 +15,7 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup data data-for-tests test grade grade-class exercises lint run-01 benchmark gpu-check stress clean
+.PHONY: help setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
@@ -24,6 +24,7 @@ help:
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make grade-class SUBMISSIONS=DIR  grade a class: gradebook, feedback, Gradescope files"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
+	@echo "make figures      redraw the lessons' diagrams (solutions/NN_*/figures/*.svg), then make exercises"
 	@echo "make benchmark    time 1-vs-N runs of every method in rounds, into benchmarks/runs/latest/ (QUICK=1, METHODS=a,b, NPROCS=1,2)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
 	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
@@ -65,6 +66,10 @@ grade-class: $(if $(SUBMISSIONS),setup data-for-tests)
 	$(PY) -m tools.grade_class $(SUBMISSIONS) --out $(GRADE_OUT) $(GRADE_ARGS)
 
 exercises: setup
+	$(PY) tools/make_exercises.py
+
+figures: setup
+	$(PY) tools/draw_figures.py
 	$(PY) tools/make_exercises.py
 
 lint: setup

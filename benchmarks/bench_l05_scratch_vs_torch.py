@@ -8,8 +8,11 @@ repeat in a rotated order; every block is ``--steps`` steps after a barrier, its
 slowest rank's. Tensors and models live on ``dpt.dist.rank_device()``, and the clock is read
 after synchronizing that device. Reported: median time per step, the same step under ``no_sync()`` (compute
 only), their difference (communication and waiting), and throughput relative to torch DDP.
+The plot is the lesson's ``scratch_demo.plot_step_split``: communication and waiting get a
+panel of their own, since next to the compute they are a few percent.
 
     python benchmarks/bench_l05_scratch_vs_torch.py --repeats 7
+    python benchmarks/bench_l05_scratch_vs_torch.py --plot-only   # redraw the committed result
 
 Writes benchmarks/results/l05_scratch_vs_torch.json and .png.
 """
@@ -106,34 +109,14 @@ def summarize(raw: dict) -> dict:
     return rows
 
 
-def plot(rows: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(rows)
-    compute = [rows[n]["compute_s"] * 1e3 for n in names]
-    comm = [rows[n]["comm_s"] * 1e3 for n in names]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.bar(names, compute, label="compute (same step under no_sync)")
-    ax.bar(names, comm, bottom=compute, label="communication + waiting")
-    for i, n in enumerate(names):
-        ax.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x",
-                ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("ms per step (median)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=128, help="images per rank")
     parser.add_argument("--steps", type=int, default=8, help="steps per timed block")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--plot-only", action="store_true",
+                        help="redraw the .png from the .json already in benchmarks/results")
     args = parser.parse_args(argv)
     if min(args.batch, args.steps, args.repeats) < 1 or args.warmup < 0:
         print("error: --batch, --steps and --repeats must be positive", file=sys.stderr)
@@ -141,6 +124,16 @@ def main(argv=None) -> int:
     for p in (str(REPO), str(LESSON)):
         if p not in sys.path:
             sys.path.insert(0, p)
+    from scratch_demo import plot_step_split  # the lesson's notebook draws it the same way
+
+    if args.plot_only:
+        saved = OUT / "l05_scratch_vs_torch.json"
+        if not saved.is_file():
+            print(f"error: no {saved} to redraw; run without --plot-only", file=sys.stderr)
+            return 2
+        plot_step_split(json.loads(saved.read_text()), OUT / "l05_scratch_vs_torch.png")
+        print(f"wrote {OUT / 'l05_scratch_vs_torch.png'}")
+        return 0
     import benchmarks.bench_l05_scratch_vs_torch as me  # ranks import it by name
     from dpt.testing import run_distributed
 
@@ -154,8 +147,7 @@ def main(argv=None) -> int:
                                       "backend": raw["backend"]},
               "summary": rows, "raw_seconds_per_step": raw["times"]}
     (OUT / "l05_scratch_vs_torch.json").write_text(json.dumps(result, indent=2))
-    plot(rows, OUT / "l05_scratch_vs_torch.png",
-         f"ws=2, 1 thread/rank, ConvNet, batch {args.batch}/rank; label: throughput vs torch DDP")
+    plot_step_split(result, OUT / "l05_scratch_vs_torch.png")
     print(f"{'variant':10s} {'step ms':>8s} {'compute':>8s} {'comm':>7s} {'vs torch':>9s} {'paired':>7s}")
     for name, r in rows.items():
         print(f"{name:10s} {r['step_s'] * 1e3:8.2f} {r['compute_s'] * 1e3:8.2f} "

@@ -31,6 +31,13 @@ Timing study (rank processes started by ``dpt.testing.run_distributed``)::
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
+    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
+             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+
 import argparse
 import json
 import statistics
@@ -172,18 +179,23 @@ def plot_timings(result: dict, path: Path | None = None):
     n, rows = result["world_size"], result["rows"]
     sizes = [r["bytes"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label, marker in (("ring_s", "ring by hand (send/recv)", "o"),
-                               ("torch_s", "dist.all_reduce", "s")):
+    # each implementation keeps one colour: its measured points and, dashed, its fitted model
+    for color, (key, label, marker) in zip(("C0", "C1"), (
+            ("ring_s", "ring by hand (send/recv)", "o"), ("torch_s", "dist.all_reduce", "s"))):
         times = [r[key] for r in rows]
         fit = try_fit_ring_model(sizes, times, n)
         if fit is None:  # the points are still worth seeing: they show the noise
-            ax.loglog(sizes, times, marker, label=f"{label}: no fit (time did not grow with size)")
+            ax.loglog(sizes, times, marker, color=color,
+                      label=f"{label}: no fit (time did not grow with size)")
             continue
-        ax.loglog(sizes, times, marker, label=f"{label}: {fit['bandwidth_Bps'] / 1e9:.2f} GB/s")
-        ax.loglog(sizes, [ring_model_seconds(fit, s, n) for s in sizes], "--", alpha=0.6)
+        ax.loglog(sizes, times, marker, color=color, label=f"{label}, measured")
+        ax.loglog(sizes, [ring_model_seconds(fit, s, n) for s in sizes], "--", color=color,
+                  label=f"{label}, fitted: a = {fit['alpha_s'] * 1e3:.2f} ms, "
+                        f"{fit['bandwidth_Bps'] / 1e9:.2f} GB/s")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("seconds (median)")
-    ax.set_title(f"all-reduce on {n} ranks; dashed: t = a + 2(N-1)/N * bytes / bandwidth")
+    ax.set_title(f"all-reduce on {n} ranks; dashed: the fitted ring model\n"
+                 f"t = a + 2(N-1)/N * bytes / bandwidth", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     if path is not None:

@@ -76,34 +76,28 @@ with needs_tasks():
 # count each sample once, and then add up the ranks' counts, so that every rank reports the
 # accuracy of the *whole* test set.
 #
-# For training, the sampler shuffles one permutation (the same `seed + epoch` on every rank)
-# and deals it out. Here are 11 samples on 3 ranks over two epochs: each epoch every sample
-# goes to one rank (the padded repeat, ringed, makes 12), and `set_epoch` deals a new order.
+# For training, the sampler shuffles one list (the same `seed + epoch` on every rank), pads
+# it with its first entries, and deals it out: rank r takes positions r, r + N, r + 2N, ...
+# Here are 11 samples on 3 ranks over two epochs, and the evaluation case above (the same
+# figure is `figures/distributed_sampler.svg` in the lesson folder; `figures/sampler_diagram.py`
+# draws it from what `DistributedSampler` returns). Each epoch every sample goes to one rank,
+# the repeat (red) makes 12, and `set_epoch` deals a new order.
 
 # %%
 with needs_tasks():
     import matplotlib.pyplot as plt
+    from figures import sampler_diagram
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 2.4), sharey=True)
-    for epoch, ax in enumerate(axes):
-        for rank in range(3):
-            s = DistributedSampler(range(11), num_replicas=3, rank=rank, shuffle=True, seed=0)
-            s.set_epoch(epoch)
-            order = list(s)
-            ax.scatter(order, [rank] * len(order), s=80, label=f"rank {rank}")
-            repeats = order[len(range(rank, 11, 3)):]  # positions past the data: padding
-            ax.scatter(repeats, [rank] * len(repeats), s=260, facecolors="none", edgecolors="k")
-        ax.set(title=f"epoch {epoch}", xlabel="sample", xticks=range(11), yticks=range(3))
-    axes[0].set_ylabel("rank")
-    plt.tight_layout()
+    sampler_diagram.draw()
     plt.show()
-    #
-    # ## Train on two ranks
-    #
-    # The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`
-    # wrapped in DDP on its half of every epoch, and rank 0 saves a checkpoint after each epoch.
-    # We train on a fifth of the training set and test on 2001 samples (odd, so one rank's share is
-    # padded) to stay quick.
+
+# %% [markdown]
+# ## Train on two ranks
+#
+# The script starts 2 processes (`-g 2`). Each joins the group, trains lesson 01's `Trainer`
+# wrapped in DDP on its half of every epoch, and rank 0 saves a checkpoint after each epoch.
+# We train on a fifth of the training set and test on 2001 samples (odd, so one rank's share is
+# padded) to stay quick.
 
 # %%
 with needs_tasks():

@@ -69,8 +69,22 @@ with needs_tasks():
 # neighbour and adds the chunk arriving from its left one (reduce-scatter); after that, rank r
 # holds the finished sum of chunk r+1. N-1 more steps pass the finished chunks around
 # (all-gather). Each rank sends 2(N-1)/N of the tensor, whatever N is: this is why the ring
-# model is `t = a + 2(N-1)/N * bytes / bandwidth`. We time our ring against `dist.all_reduce`
-# from 1 KB to 4 MB here (the script goes to 64 MB) and fit `a` and the bandwidth.
+# model is `t = a + 2(N-1)/N * bytes / bandwidth`. Here is every step for N = 4 (the same
+# figure is `figures/ring_allreduce.svg` in the lesson folder; `figures/ring_diagram.py`
+# draws it). A cell is one chunk on one rank, coloured by how many ranks' data it has summed;
+# the arrows are the sends of that step, and the red cells what arrived.
+
+# %%
+with needs_tasks():
+    from figures import ring_diagram
+
+    ring_diagram.draw(n=4)
+    plt.show()
+
+# %% [markdown]
+# Your `ring_all_reduce` takes these same steps. We time it against `dist.all_reduce` from
+# 1 KB to 4 MB here (the script goes to 64 MB) and fit `a` and the bandwidth: dashed, in the
+# colour of the points it was fitted to.
 
 # %%
 with needs_tasks():
@@ -115,17 +129,42 @@ with needs_tasks():
 # ## Buckets (task 05.6)
 #
 # Backward produces the last layer's gradients first, so buckets are filled from the last
-# registered parameter to the first. Here is ConvNet's gradient, in buckets of 0.05 MB:
+# registered parameter to the first. Here is ConvNet's gradient in buckets of 0.05 MB, of
+# 1e-9 MB (smaller than any parameter: one bucket each) and of 25 MB (torch DDP's default:
+# the whole model in one bucket):
 
 # %%
 with needs_tasks():
     convnet = ConvNet()
-    names = [n for n, p in convnet.named_parameters() if p.requires_grad]
-    params = [p for p in convnet.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in convnet.named_parameters() if p.requires_grad]
     for cap in (0.05, 1e-9, 25):
-        buckets = bucketed_ddp.assign_buckets(params, cap)
-        print(f"cap {cap} MB -> {len(buckets)} bucket(s):",
-              [[names[i] for i in b] for b in buckets][:3], "..." if len(buckets) > 3 else "")
+        buckets = bucketed_ddp.assign_buckets([p for _, p in named], cap)
+        print(f"cap {cap} MB -> {len(buckets)} bucket(s), in the order backward fills them:")
+        for k, b in enumerate(buckets):
+            mb = sum(named[i][1].numel() * named[i][1].element_size() for i in b) / 2**20
+            print(f"  bucket {k}: {mb:.3f} MB  {', '.join(named[i][0] for i in b)}")
+
+# %% [markdown]
+# ## Backward against the all-reduces: a timeline
+#
+# What overlap buys, drawn from a real step. `scratch_demo.timeline_rank` trains an MLP with
+# big layers (6 x `Linear(1024, 1024)`, 4 MB of gradient each) on 2 CPU ranks with your
+# `NaiveDDP` and your `BucketedDDP` (9 MB buckets: two or three layers each), and records on
+# each rank when each layer's gradients are ready, when each all-reduce starts and finishes,
+# and the optimizer step. Backward computes the layers last to first. Naive starts talking
+# only once backward is over; bucketed launches a bucket's all-reduce the moment its last
+# gradient is in, while backward computes the layers below, and the step waits only for what
+# is still running. (On a 2-core CPU both ranks' compute and gloo's threads share the cores,
+# so the overlap is partial; on GPUs, NCCL runs on its own stream.) The lesson's README shows
+# the same figure, measured once (`figures/backward_timeline.svg`).
+
+# %%
+with needs_tasks():
+    from figures import backward_timeline
+
+    measured = backward_timeline.measure()
+    backward_timeline.draw(measured)
+    plt.show()
 
 # %% [markdown]
 # ## Bucket buffers: allocated once
@@ -171,25 +210,19 @@ with needs_tasks():
 # just as long as torch DDP; overlap and bucketed hide all but 3-4 ms of it behind backward.
 # With 0.1 MB of gradients against 0.65 s of compute per step, the differences are a few
 # percent, the size of the run-to-run noise. The cell below draws the committed result file
-# (or yours, once you rerun the script):
+# (or yours, once you rerun the script): on one axis the communication is a sliver on top of
+# the compute, so the right panel shows it alone, on its own scale.
 
 # %%
 with needs_tasks():
     result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
     if result_file.exists():
-        rows = json.loads(result_file.read_text())["summary"]
-        names = list(rows)
-        compute = [rows[n]["compute_s"] * 1e3 for n in names]
-        comm = [rows[n]["comm_s"] * 1e3 for n in names]
-        plt.bar(names, compute, label="compute")
-        plt.bar(names, comm, bottom=compute, label="communication + waiting")
-        for i, n in enumerate(names):
-            plt.text(i, compute[i] + comm[i], f"{rows[n]['throughput_vs_torch']:.2f}x", ha="center")
-        cfg = json.loads(result_file.read_text())["config"]
-        plt.title(f"{cfg['world_size']} ranks, {cfg['threads_per_rank']} thread each, "
-                  f"batch {cfg['batch']} per rank ({cfg['backend']})")
-        plt.ylabel("ms per step")
-        plt.legend()
+        speed = json.loads(result_file.read_text())
+        for name, r in speed["summary"].items():
+            print(f"{name:9s} compute {r['compute_s'] * 1e3:6.1f} ms, communication + waiting "
+                  f"{r['comm_s'] * 1e3:5.1f} ms: compute is {r['compute_s'] / max(r['comm_s'], 1e-9):4.0f}x "
+                  "as long")
+        scratch_demo.plot_step_split(speed)
         plt.show()
     else:
         print("run `python benchmarks/bench_l05_scratch_vs_torch.py` to measure; figures are in "

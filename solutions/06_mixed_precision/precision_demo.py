@@ -10,6 +10,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
+    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
+             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+
 import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -74,6 +74,11 @@ def test_every_task_has_tests_and_every_test_task_exists():
     assert marked - tasks == set(), f"tests for tasks that do not exist: {sorted(marked - tasks)}"
 
 
+# What a student reads after `make grade` on a fresh tree: one line per failing test and the
+# score table. The untouched exercises, where every graded test fails, print the most.
+GRADE_LINES = 300
+
+
 def _grade_exercises(tmp_path, env=None):
     out = tmp_path / "grade.json"
     proc = subprocess.run(
@@ -89,13 +94,18 @@ def _grade_exercises(tmp_path, env=None):
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
 def test_stubs_fail_each_with_their_own_task_message(tmp_path):
-    """`make grade` on the untouched exercises: every task fails, naming itself."""
-    result, _ = _grade_exercises(tmp_path)
+    """`make grade` on the untouched exercises: every task fails, naming itself, and the
+    whole report stays short enough to read (one line per failing test, then the table)."""
+    result, stdout = _grade_exercises(tmp_path)
     scores = result["tasks"]
     assert scores, "no task was graded"
     for task, s in scores.items():
         assert s["state"] == "fail", f"task {task} is {s['state']} on its stub: {s}"
         assert f"Task {task}" in s["first_error"], f"task {task} failed with: {s['first_error']}"
+    lines = stdout.splitlines()
+    assert len(lines) < GRADE_LINES, (
+        f"grading the untouched exercises printed {len(lines)} lines (at most {GRADE_LINES}): "
+        "a student scrolls through all of it; first lines:\n" + "\n".join(lines[:40]))
 
 
 @pytest.mark.slow

@@ -448,3 +448,65 @@ def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
     tensors = [*module.parameters(), *module.buffers(), *getattr(model, "bucket_buffers", [])]
     off = sorted({str(t.device) for t in tensors} | set(seen))
     assert seen and off == ["meta"], f"tensors off rank_device(): {off}"
+
+
+# --------------------------------------------------------------------------- what the notebook draws
+
+def test_the_timeline_records_one_step_of_each_wrapper():
+    """scratch_demo.timeline_rank, which the notebook's timeline draws, on a tiny MLP."""
+    demo = load(LESSON, "scratch_demo")
+    # 64 wide, float32: a layer is 16640 bytes, its bias 256, `out` 2600. In 0.03 MB
+    # (31457 bytes): out, fc3 and fc2's bias; fc2's weight and fc1's bias; fc1's weight.
+    cap = 0.03
+    ranks = run_distributed(demo.timeline_rank, world_size=WORLD, timeout=90, kwargs={
+        "batch": 8, "width": 64, "depth": 3, "bucket_cap_mb": cap, "steps": 1, "warmup": 1})
+    for rank, out in enumerate(ranks):
+        naive, bucketed = out["runs"]["naive"], out["runs"]["bucketed"]
+        for name, run in out["runs"].items():
+            layers = [layer["name"] for layer in run["layers"]]
+            assert layers == ["out", "fc3", "fc2", "fc1"], (rank, name, layers)
+            assert run["backward"][1] <= run["sync"][0] <= run["sync"][1] <= run["step"][0]
+            assert all(e["launch"] <= e["done"] <= run["step"][1] for e in run["allreduce"])
+        assert [e["async"] for e in naive["allreduce"]] == [False] * 8  # 4 weights, 4 biases
+        assert all(e["launch"] >= naive["sync"][0] for e in naive["allreduce"])
+        assert bucketed["buckets"] == [["out", "fc3", "fc2"], ["fc2", "fc1"], ["fc1"]]
+        assert [e["async"] for e in bucketed["allreduce"]] == [True] * 3
+        assert bucketed["allreduce"][0]["launch"] < bucketed["backward"][1], (
+            "the first bucket's all-reduce must be launched during backward")
+
+
+def test_the_step_split_shows_communication_on_its_own_scale(monkeypatch):
+    """A step that is 97% compute: the right panel's axis fits the communication alone."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    demo = load(LESSON, "scratch_demo")
+    summary = {n: {"compute_s": 0.65, "comm_s": c, "throughput_vs_torch": 1.0}
+               for n, c in (("torch", 0.033), ("bucketed", 0.003))}
+    fig = demo.plot_step_split({"summary": summary, "config": {
+        "world_size": 2, "backend": "gloo", "threads_per_rank": 1, "batch": 512}})
+    left, right = fig.axes
+    assert right.get_xlim()[1] < 0.1 * left.get_xlim()[1]
+    labels = " ".join(t.get_text() for t in right.texts)
+    assert "4.8% of the step" in labels and "0.5% of the step" in labels, labels
+    assert "0.5% to 4.8%" in fig._suptitle.get_text()
+    plt.close(fig)
+
+
+def test_each_fitted_line_has_its_points_colour_and_a_legend_entry(monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    col = load(LESSON, "collectives")
+    sizes = [2**k for k in range(10, 24, 2)]
+    rows = [{"bytes": b, "ring_s": 1e-4 + b / 2e8, "torch_s": 5e-5 + b / 5e8} for b in sizes]
+    fig = col.plot_timings({"world_size": 2, "rows": rows})
+    lines = fig.axes[0].get_lines()
+    points = [ln for ln in lines if ln.get_linestyle() == "None"]
+    dashed = [ln for ln in lines if ln.get_linestyle() == "--"]
+    assert len(points) == len(dashed) == 2
+    for p, d in zip(points, dashed):
+        assert p.get_color() == d.get_color(), "a fit must be drawn in its points' colour"
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert len(legend) == 4 and sum("fitted" in t for t in legend) == 2, legend
+    plt.close(fig)

@@ -1,17 +1,12 @@
 """Draw what ``nn.DataParallel`` does on every forward: scatter, replicate, parallel apply,
 gather, and the gradients summed back onto the root's weights in backward.
 
-    .venv/bin/python solutions/02_data_parallel/figures/dp_diagram.py   # rewrites data_parallel.svg
-
-The lesson's notebook calls :func:`draw` to show the same figure.
+``python tools/draw_figures.py`` rewrites ``data_parallel.svg`` next to this file (see
+:data:`FIGURES`); the lesson's notebook calls :func:`draw` to show the same figure.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 COLORS = ["#4c72b0", "#dd8452", "#55a868"]  # one per device
 
 
@@ -76,19 +71,4 @@ def draw(n: int = 3, batch: int = 7):
     return fig
 
 
-def save(path: str | Path = HERE / "data_parallel.svg") -> Path:
-    """Write the figure as an SVG that does not change from one run to the next."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with plt.rc_context({"svg.hashsalt": "dpt-lesson-02", "svg.fonttype": "none"}):
-        fig = draw()
-        fig.savefig(path, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return Path(path)
-
-
-if __name__ == "__main__":
-    print(f"wrote {save(*sys.argv[1:2])}")
+FIGURES = {"data_parallel.svg": draw}
