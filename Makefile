@@ -89,4 +89,4 @@ run-01: setup data
 	$(PY) solutions/01_single_device/single_device.py --epochs 1
 
 clean:
-	rm -rf .pytest_cache **/__pycache__ benchmarks/results/tmp
+	rm -rf .pytest_cache **/__pycache__

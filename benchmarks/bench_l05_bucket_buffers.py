@@ -24,7 +24,8 @@ ratio to ``cat`` is taken per repeat (adjacent blocks), and its median and range
 
     python benchmarks/bench_l05_bucket_buffers.py --repeats 9
 
-Writes benchmarks/results/l05_bucket_buffers.json.
+Writes benchmarks/runs/lessons/l05_bucket_buffers.json
+(git-ignored; the committed results are in benchmarks/reference/lessons/).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "05_ddp_from_scratch"
-OUT = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 VARIANTS = ["cat", "copy", "view", "view+none"]
 COPY_OPS = ("aten.copy_", "aten.cat", "aten.clone", "aten._to_copy")
 

@@ -14,7 +14,8 @@ panel of their own, since next to the compute they are a few percent.
     python benchmarks/bench_l05_scratch_vs_torch.py --repeats 7
     python benchmarks/bench_l05_scratch_vs_torch.py --plot-only   # redraw the committed result
 
-Writes benchmarks/results/l05_scratch_vs_torch.json and .png.
+Writes benchmarks/runs/lessons/l05_scratch_vs_torch.json and .png
+(git-ignored; the committed results are in benchmarks/reference/lessons/).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "05_ddp_from_scratch"
-OUT = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 VARIANTS = ["torch", "naive", "overlap", "bucketed"]
 
 
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--plot-only", action="store_true",
-                        help="redraw the .png from the .json already in benchmarks/results")
+                        help="redraw the .png from the .json of the last run")
     args = parser.parse_args(argv)
     if min(args.batch, args.steps, args.repeats) < 1 or args.warmup < 0:
         print("error: --batch, --steps and --repeats must be positive", file=sys.stderr)

@@ -8,7 +8,8 @@ are recorded with the result: bf16 is only fast on CPUs with AMX or AVX512-BF16.
 
     python benchmarks/bench_l06_precision.py --repeats 3
 
-Writes benchmarks/results/l06_precision.json and .png.
+Writes benchmarks/runs/lessons/l06_precision.json and .png
+(git-ignored; the committed results are in benchmarks/reference/lessons/).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "06_mixed_precision"
-OUT = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 
 
 def _measure(rank: int, world_size: int, precision: str, batch: int, warmup: int,

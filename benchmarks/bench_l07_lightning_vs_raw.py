@@ -15,7 +15,8 @@ The Trainer adds a roughly fixed cost per step. The Lightning notebook's MLP tak
 step, so there that cost is a large share; the ConvNet's step is more than ten times longer,
 the compute-bound case. ``--sigterm-diagnostic`` adds a third variant, Lightning without its
 per-step SIGTERM broadcast, to measure that one collective. Writes
-benchmarks/results/l07_lightning_vs_raw[_convnet][_sigterm].{json,png} (or under ``--out``).
+benchmarks/runs/lessons/l07_lightning_vs_raw[_convnet][_sigterm].{json,png} (or under ``--out``;
+the committed results are in benchmarks/reference/lessons/).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "07_lightning"
-OUT = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 TIMEOUT_S = 1800  # one variant's whole run; a full ConvNet epoch takes under a minute
 
 

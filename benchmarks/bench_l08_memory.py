@@ -24,7 +24,8 @@ this machine has 2 cores, so N > 2 is not measured.
     python benchmarks/bench_l08_memory.py --repeats 2
     python benchmarks/bench_l08_memory.py --layers 0 --hidden 4096   # the Lightning notebook's MLP, made wide
 
-Writes benchmarks/results/l08_memory.json and .png (``l08_memory_wide.*`` with ``--layers 0``).
+Writes benchmarks/runs/lessons/l08_memory.json and .png (``l08_memory_wide.*`` with ``--layers 0``)
+(git-ignored; the committed results are in benchmarks/reference/lessons/).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LESSON = REPO / "solutions" / "08_sharding"
-OUT = REPO / "benchmarks" / "results"
+OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 METHODS = {"ddp": "zero0", "sharded_optimizer": "zero1", "fsdp2": "zero3"}
 STAGE_OF = {"ddp": "ddp", "sharded_optimizer": "zero1", "fsdp2": "zero3"}
 

@@ -326,7 +326,7 @@ def test_a_tiny_run_writes_only_under_out_and_leaves_git_status_alone(tmp_path):
         """Changes to the committed results, and files git would list as new."""
         git = ["git", "-c", "core.quotepath=off"]
         changed = subprocess.run([*git, "status", "--porcelain", "--", "benchmarks/reference",
-                                  "benchmarks/results"], cwd=REPO, capture_output=True,
+                                  "benchmarks/reference/lessons"], cwd=REPO, capture_output=True,
                                  text=True).stdout
         new = subprocess.run([*git, "ls-files", "--others", "--exclude-standard"], cwd=REPO,
                              capture_output=True, text=True).stdout
