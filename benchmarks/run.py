@@ -492,7 +492,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def latest_results(runs: Path = RUNS, reference: Path = REFERENCE) -> tuple[Path, str]:
-    """The results to show: your latest run if there is one, else the committed reference."""
+    """The results to show: your latest run if there is one, else the committed reference.
+    ``DPT_BENCH_SHOW=reference`` shows the reference even when you have runs (the website)."""
+    if os.environ.get("DPT_BENCH_SHOW") == "reference":
+        return reference / "results.json", "the committed reference (a 2-core CPU)"
     for cand in (runs / "latest" / "results.json",):
         if cand.is_file():
             return cand.resolve(), "your latest run"  # the stamped folder: when it ran
