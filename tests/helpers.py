@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,20 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
              or ": error:" in ln]
     assert lines, f"no 'error:' line on stderr:\n{proc.stderr}"
     return lines[-1]
+
+
+@contextmanager
+def slowed(owner, name: str, seconds: float = 1.5):
+    """While the block runs, ``owner.name`` (a function) waits ``seconds`` before each call: a
+    slow disk, so a rank that does not wait for the writer returns before the file exists."""
+    real = getattr(owner, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, slow)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)

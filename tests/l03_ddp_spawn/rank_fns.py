@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
+from tests.helpers import slowed
 from tests.lessons import load
 
 LESSON = "03_ddp_spawn"
@@ -139,19 +139,10 @@ def save_on_ranks(rank, world_size, folder):
                           checkpoint_path=Path(folder) / f"own{rank}.pt")
     trainer._save_checkpoint(2)
     dist.barrier()
-    real_save = mod.save_checkpoint
-
-    def slow_save(*args, **kwargs):
-        time.sleep(1.5)
-        return real_save(*args, **kwargs)
-
-    mod.save_checkpoint = slow_save
-    try:
+    with slowed(mod, "save_checkpoint"):
         trainer.checkpoint_path = Path(folder) / "shared.pt"
         trainer._save_checkpoint(3)
         there_on_return = trainer.checkpoint_path.is_file()
-    finally:
-        mod.save_checkpoint = real_save
     return {"state": {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()},
             "there_on_return": there_on_return}
 

@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
+from tests.helpers import slowed
 from tests.lessons import load
 
 LESSON = "04_ddp_torchrun"
@@ -88,19 +89,10 @@ def save_snapshot_on_ranks(rank, world_size, folder):
     # Then all snapshot to one path while rank 0 writes slowly: nobody may return before the
     # file is there (a rank that runs ahead could read, or be restarted onto, no snapshot).
     dist.barrier()
-    real_save = torch.save
-
-    def slow_save(*args, **kwargs):
-        time.sleep(1.5)
-        return real_save(*args, **kwargs)
-
-    torch.save = slow_save
-    try:
+    with slowed(torch, "save"):
         trainer.snapshot_path = Path(folder) / "shared.pt"
         trainer._save_snapshot(4)
         there_on_return = trainer.snapshot_path.is_file()
-    finally:
-        torch.save = real_save
     return {"rng": rng, "model": {k: v.cpu() for k, v in model.state_dict().items()},
             "after": after, "there_on_return": there_on_return}
 
