@@ -102,6 +102,23 @@ def _tree_note() -> str:
     return f"tested: {target}"
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test gets back the environment it started with, whatever it set.
+
+    Code under test may set variables in this process: ``dpt.dist.setup`` sets ``LOCAL_RANK``
+    and ``MASTER_ADDR`` as torchrun would, lesson 03's launcher ``MASTER_PORT``. Left behind,
+    ``LOCAL_RANK`` makes every later Lightning ``ddp`` script in the same test process believe a
+    launcher started it, and wait forever for a rank 1 it never starts (seen in a stress run:
+    two lesson-07 tests hung on rank 0, depending on which tests had run before them).
+    """
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     graded, other = [], []
     for item in items:

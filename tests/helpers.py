@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dpt.data import is_present
+from dpt.notebook import script_env
 from tests.lessons import REPO
 
 requires_data = pytest.mark.skipif(
@@ -27,7 +27,9 @@ requires_mnist = pytest.mark.skipif(
 def run_script(path: Path | str, *args: str, timeout: float = 120, env: dict | None = None,
                cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """Run a lesson script with this interpreter; the test fails (not hangs) on timeout."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+    # never a rank of a job this process may be part of: no launch variables (LOCAL_RANK,
+    # MASTER_PORT, ...), or Lightning's and torchrun's launchers believe they were launched
+    full_env = dict(script_env(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                     TQDM_DISABLE="1", **(env or {}))
     try:
         return subprocess.run([sys.executable, str(path), *args], capture_output=True,
