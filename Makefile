@@ -15,7 +15,7 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup site-setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress site site-serve clean
+.PHONY: help setup site-setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
@@ -29,6 +29,7 @@ help:
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
 	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
 	@echo "make stress N=10  the whole suite N times on a fresh clone under a CPU hog"
+	@echo "make plant-bugs   plant each classic student bug in a copy of solutions/; check the tests catch it (ONLY=id,id LESSON=05)"
 	@echo "make site         the course website in site/_build/html (notebooks executed once, then cached)"
 	@echo "make site-serve   serve it on http://127.0.0.1:$$PORT (PORT=8000 by default)"
 	@echo "make lint         ruff"
@@ -93,6 +94,11 @@ gpu-check: setup data
 N ?= 10
 stress:
 	tools/stress_suite.sh $(N)
+
+# Each planted bug in tools/plant_bugs.py must fail its tests, with the expected message.
+ONLY ?=
+plant-bugs: setup data-for-tests
+	$(PY) tools/plant_bugs.py $(if $(ONLY),--only $(ONLY)) $(if $(LESSON),--lesson $(LESSON))
 
 run-01: setup data
 	$(PY) solutions/01_single_device/single_device.py --epochs 1

@@ -129,7 +129,9 @@ def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=1)
     keys = torch.load(tmp_path / "ck.pt", weights_only=True)["model"].keys()
-    assert not any(k.startswith("module.") for k in keys)
+    prefixed = [k for k in keys if k.startswith("module.")]
+    assert not prefixed, (f"the checkpoint's keys start with 'module.' ({prefixed[0]}, ...): save "
+                          f"the wrapped model's .module, so it loads into a plain model")
     sd.load_checkpoint(tmp_path / "ck.pt", ConvNet())  # loads into a plain model
 
 
@@ -198,6 +200,28 @@ def test_trainer_learns_and_checkpoints_every_save_every_epochs(sd, tmp_path):
     assert len(losses) == 4 and len(trainer.history) == 4 * 8 and trainer.epochs_run == 4
     assert losses[-1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
     assert sd.load_checkpoint(tmp_path / "ck.pt", MLP())["epoch"] == 4
+
+
+@pytest.mark.task("01.1")
+def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_path):
+    torch.manual_seed(0)
+    x, y = _separable()
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sd.Trainer(model, sd.prepare_dataloader(x, y, 32), opt, CPU, save_every=1,
+               checkpoint_path=tmp_path / "ck.pt").train(2)
+    fresh = MLP().eval()  # as a model comes back from evaluate() or a notebook cell
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    resumed = sd.Trainer(fresh, sd.prepare_dataloader(x, y, 32), fresh_opt, CPU,
+                         resume_from=tmp_path / "ck.pt")
+    assert resumed.epochs_run == 2, "a resumed Trainer starts at the checkpoint's epoch"
+    modes = []
+    run_batch = resumed._run_batch
+    resumed._run_batch = lambda s, t: (modes.append(resumed.model.training), run_batch(s, t))[1]
+    losses = resumed.train(3)
+    assert len(losses) == 1, (f"train(3) after a checkpoint at epoch 2 ran {len(losses)} epochs: "
+                              f"it must run only the epochs not finished yet")
+    assert modes and all(modes), "an epoch must train in training mode (model.train())"
 
 
 @requires_data

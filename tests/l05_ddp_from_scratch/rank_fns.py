@@ -531,6 +531,27 @@ def unused_rank(rank, world_size, variant, task=None):
     return ("ok", torch.equal(before, module.unused.weight.detach()))
 
 
+def unused_on_one_rank(rank, world_size, variant, task=None):
+    """One step where only rank 0's forward uses ``unused`` (a branch some inputs take).
+
+    Returns ``(local, synced)``: this rank's own gradient of ``unused.weight`` before the sync
+    (None where the rank did not use it) and the one after it."""
+    apply_patches(parts_except(variant, task))
+    module = build("toy", seed=0, unused=True)
+    model = wrap(variant, module)
+    x, y = global_batch("toy", 0)
+    loss = F.cross_entropy(model(x[rank::world_size]), y[rank::world_size])
+    if rank == 0:
+        extra = torch.ones(2, HIDDEN, dtype=torch.float64, device=device())
+        loss = loss + module.unused(extra).pow(2).mean()
+    loss.backward()
+    grad = module.unused.weight.grad
+    local = None if grad is None else grad.detach().cpu().clone()
+    model.finish_gradient_synchronization()
+    grad = module.unused.weight.grad
+    return local, None if grad is None else grad.detach().cpu().clone()
+
+
 def collectives_rank(rank, world_size):
     log = CommLog()
     with instrumented(log):

@@ -40,6 +40,13 @@ def hook_under_bf16(rank: int, world_size: int) -> dict:
            "ddp_grads": flat(p.grad for p in model.parameters()),
            "local_grads": flat(p.grad for p in local.parameters()),
            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
+    # The control: a model whose weights are bf16 has bf16 buckets, so a hook that writes
+    # down float32 without looking at the bucket records the wrong dtype here.
+    bf16 = DDP(ConvNet(batch_norm=False).to(torch.bfloat16))
+    bf16_recorder = amp_inspect.DtypeRecorder()
+    bf16.register_comm_hook(bf16_recorder, amp_inspect.recording_allreduce_hook)
+    F.cross_entropy(bf16(x.to(torch.bfloat16)).float(), y).backward()
+    out["bf16_weights_dtypes"] = sorted({str(d) for d in bf16_recorder.dtypes})
     dist.barrier()
     return out
 

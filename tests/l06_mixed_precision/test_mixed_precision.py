@@ -627,6 +627,9 @@ def test_ddp_all_reduces_fp32_gradients_under_bf16_autocast():
     for r in results:
         assert r["dtypes"] == ["torch.float32"] and r["n_buckets"] >= 1
         assert r["grad_dtypes"] == ["torch.float32"]
+        assert r["bf16_weights_dtypes"] == ["torch.bfloat16"], (
+            f"with bf16 weights the buckets are bf16, but the hook recorded "
+            f"{r['bf16_weights_dtypes']}: record bucket.buffer().dtype, the dtype DDP sends")
     # the hook must really all-reduce (average) and not only record
     mean = (results[0]["local_grads"] + results[1]["local_grads"]) / 2
     for r in results:

@@ -81,6 +81,9 @@ def test_training_step_returns_the_cross_entropy_and_logs_it(lf):
     assert torch.is_tensor(loss) and loss.requires_grad, "return the loss tensor, with its graph"
     torch.testing.assert_close(loss, F.cross_entropy(model(x), y))
     assert "train_loss" in logged, "log the training loss as 'train_loss'"
+    assert not logged["train_loss"][1].get("sync_dist"), (
+        "train_loss is logged with sync_dist=True: that is an all-reduce on every training "
+        "step, only for a progress bar; log each rank's own loss per step")
 
 
 @pytest.mark.task("07.1")
@@ -177,6 +180,11 @@ def test_new_tensors_follow_the_module_device_and_input_dtype(lf):
     x = torch.zeros(4, 1, 28, 28, dtype=torch.float64)
     out = model.double().add_noise(x)
     assert out.dtype == torch.float64 and out.std() > 0.1
+    # float64 + float32 noise is float64 anyway; a bf16 batch shows a noise made in float32
+    out = model.add_noise(torch.zeros(4, 1, 28, 28, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16, (
+        f"a bf16 batch came out {out.dtype}: make the noise in the input's dtype, or it "
+        f"promotes the batch (and the rest of forward) to float32")
     # The meta device stands in for a GPU: a tensor made without device= lands on the CPU,
     # and adding it to a meta tensor fails or leaves the CPU device behind.
     model = lf.LitClassifier(noise_std=0.5).train().to("meta")
@@ -216,7 +224,15 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
     ref.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model_f, opt_f = fabric.setup(model, opt)
+    backward_calls = []
+    fabric_backward = fabric.backward
+    fabric.backward = lambda loss, *a, **kw: (backward_calls.append(1),
+                                              fabric_backward(loss, *a, **kw))[1]
     losses = fd.fabric_epoch(fabric, model_f, opt_f, batches)
+    assert len(backward_calls) == len(batches), (
+        f"fabric.backward was called {len(backward_calls)} times for {len(batches)} batches: "
+        f"call fabric.backward(loss), not loss.backward(); Fabric scales the loss there under "
+        f"fp16 and lets its strategy (DDP, FSDP) see the backward")
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for bx, by in batches:
         ref_opt.zero_grad()
@@ -368,6 +384,7 @@ def test_bf16_mixed_precision_trains_on_cpu():
     ({"strategy": "dp"}, {"strategy": "ddp"}),
     ({"strategy": "ddp2"}, {"strategy": "ddp"}),
     ({"weights_summary": None, "max_epochs": 1}, {"enable_model_summary": False, "max_epochs": 1}),
+    ({"gpus": 0, "max_epochs": 1}, {"max_epochs": 1}),  # gpus=0 was 1.x's way to say CPU
 ])
 def test_migrate_trainer_kwargs(mig, old, new):
     assert mig.migrate_trainer_kwargs(old, cuda=True) == new

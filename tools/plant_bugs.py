@@ -1,0 +1,770 @@
+"""Plant classic student bugs in a copy of ``solutions/`` and check that the suite catches each.
+
+A grading suite is only as good as the bugs it fails on. Each entry of :data:`BUGS` is one
+mistake students really make (a sum without the mean, a save without a barrier, clipping
+before ``unscale_``...), written as an exact edit of one solution file, with the tests that
+must fail on it and, where the tests word it, the message that proves they failed *for that
+reason* and not, say, on a timeout.
+
+For each bug the tool copies ``solutions/`` to a temporary folder, makes the edit there, and
+runs the named tests against the copy (``pytest --target COPY``). The verdicts:
+
+- ``caught``: the tests failed, with the expected message when one is given;
+- ``SURVIVED``: the tests passed on the broken code: a hole in the suite;
+- ``WRONG REASON``: they failed, but on a timeout or without the expected message;
+- ``STALE``: the edit no longer applies (the solution changed): update the entry.
+
+Usage (from the repository root; one bug takes 10-60 s, the whole list about 20 min on two
+idle cores)::
+
+    .venv/bin/python tools/plant_bugs.py                 # every bug, two at a time
+    .venv/bin/python tools/plant_bugs.py --list          # the catalogue
+    .venv/bin/python tools/plant_bugs.py --only 05.3-no-mean,03.4-no-barrier -j 1
+    .venv/bin/python tools/plant_bugs.py --lesson 05
+
+Exit status 0 when every bug is caught for the right reason. ``make plant-bugs`` runs it.
+The fast test ``tests/harness/test_plant_bugs.py`` checks that every edit still applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = REPO / "solutions"
+
+
+@dataclass(frozen=True)
+class Bug:
+    id: str  # "<task>-<short name>"; task NN.0 is code around the tasks
+    file: str  # relative to solutions/
+    find: str  # exact text, present exactly once in the file
+    replace: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    expect: str | None = None  # regex the failure output must contain (the right reason)
+    why: str = ""  # the mistake, in a student's terms
+    keywords: tuple[str, ...] = field(default=())  # -k filter for parametrized tests, if any
+
+    @property
+    def lesson(self) -> str:
+        return self.file[:2]
+
+
+T01 = "tests/l01_single_device/test_single_device.py::"
+T02 = "tests/l02_data_parallel/test_data_parallel.py::"
+T03 = "tests/l03_ddp_spawn/test_ddp_spawn.py::"
+T04 = "tests/l04_ddp_torchrun/test_ddp_torchrun.py::"
+T05 = "tests/l05_ddp_from_scratch/test_ddp_from_scratch.py::"
+T06 = "tests/l06_mixed_precision/test_mixed_precision.py::"
+T07 = "tests/l07_lightning/test_lightning.py::"
+T08 = "tests/l08_sharding/test_sharding.py::"
+
+L01 = "01_single_device/single_device.py"
+L02H = "02_data_parallel/dp_by_hand.py"
+L02 = "02_data_parallel/data_parallel.py"
+L02T = "02_data_parallel/dp_timing.py"
+L03 = "03_ddp_spawn/ddp_spawn.py"
+L04 = "04_ddp_torchrun/ddp_torchrun.py"
+L05B = "05_ddp_from_scratch/ddp_base.py"
+L05N = "05_ddp_from_scratch/naive_ddp.py"
+L05O = "05_ddp_from_scratch/overlap_ddp.py"
+L05K = "05_ddp_from_scratch/bucketed_ddp.py"
+L05C = "05_ddp_from_scratch/collectives.py"
+L06 = "06_mixed_precision/ddp_amp.py"
+L06I = "06_mixed_precision/amp_inspect.py"
+L06A = "06_mixed_precision/apex_amp.py"
+L07 = "07_lightning/lit_fashion.py"
+L07M = "07_lightning/lit_migration.py"
+L08Z = "08_sharding/zero_optimizer.py"
+L08A = "08_sharding/zero_accounting.py"
+L08F = "08_sharding/fsdp2_train.py"
+
+BUGS: list[Bug] = [
+    # --- lesson 01: one device ---------------------------------------------------------------
+    Bug("01.1-no-zero-grad", L01,
+        "        self.optimizer.zero_grad(set_to_none=True)\n        loss = F.cross_entropy(",
+        "        loss = F.cross_entropy(",
+        (T01 + "test_run_batch_matches_a_reference_sgd_step",),
+        why="gradients of the previous batch are added to this one's"),
+    Bug("01.2-no-eval-mode", L01,
+        "    was_training = model.training\n    model.eval()\n    correct = total = 0\n",
+        "    was_training = model.training\n    correct = total = 0\n",
+        (T01 + "test_evaluate_uses_eval_mode_and_restores_training_mode",),
+        why="dropout and batch norm stay in training mode while evaluating"),
+    Bug("01.2-mode-not-restored", L01,
+        "    model.train(was_training)\n    return correct, total\n",
+        "    return correct, total\n",
+        (T01 + "test_evaluate_uses_eval_mode_and_restores_training_mode",),
+        why="evaluate leaves the model in eval mode, so training goes on without dropout"),
+    Bug("01.2-full-batches-counted", L01,
+        "        total += len(targets)\n    model.train(was_training)\n    return correct, total\n",
+        "        total += loader.batch_size\n    model.train(was_training)\n"
+        "    return correct, total\n",
+        (T01 + "test_evaluate_counts_every_sample_including_a_short_last_batch",),
+        why="the short last batch is counted as a full one"),
+    Bug("01.3-torch-save-in-place", L01,
+        "    return ckpt.atomic_save(state, path)\n    # END SOLUTION\n\n\ndef load_checkpoint",
+        "    torch.save(state, path)\n    return Path(path)\n    # END SOLUTION\n\n\n"
+        "def load_checkpoint",
+        (T01 + "test_a_crash_mid_save_keeps_the_previous_checkpoint",),
+        why="a crash in the middle of torch.save leaves a truncated file at the final path"),
+    Bug("01.3-module-prefix", L01,
+        '    state = {"model": getattr(model, "module", model).state_dict(),',
+        '    state = {"model": model.state_dict(),',
+        (T01 + "test_checkpoint_of_a_wrapped_model_has_no_module_prefix",),
+        why="a wrapped model's keys start with 'module.' and do not load into a plain model"),
+    Bug("01.3-optimizer-not-restored", L01,
+        "    if optimizer is not None:\n        optimizer.load_state_dict(state[\"optimizer\"])\n",
+        "",
+        (T01 + "test_checkpoint_round_trip_into_a_fresh_model",),
+        why="the resumed run restarts momentum from zero"),
+    Bug("01.2-argmax-over-the-batch", L01,
+        "        correct += int((model(inputs).argmax(dim=1) == targets).sum())\n"
+        "        total += len(targets)\n    model.train(was_training)\n    return correct, total\n",
+        "        correct += int((model(inputs).argmax(dim=0) == targets[0]).sum())\n"
+        "        total += len(targets)\n    model.train(was_training)\n    return correct, total\n",
+        (T01 + "test_evaluate_counts_every_sample_including_a_short_last_batch",),
+        why="argmax over the batch dimension instead of the classes"),
+    Bug("01.3-epoch-not-saved", L01,
+        '             "optimizer": optimizer.state_dict(), "epoch": epoch, **extra}\n'
+        "    return ckpt.atomic_save(state, path)",
+        '             "optimizer": optimizer.state_dict(), "epoch": 0, **extra}\n'
+        "    return ckpt.atomic_save(state, path)",
+        (T01 + "test_checkpoint_round_trip_into_a_fresh_model",),
+        why="a resumed run does not know where it stopped"),
+    # Code around the tasks: a planted bug need not sit in a student's block.
+    Bug("01.0-train-resumes-from-zero", L01,
+        "        for epoch in range(self.epochs_run, max_epochs):\n"
+        "            losses.append(self._run_epoch(epoch, limit_batches))\n"
+        "            rank0_print(f\"epoch {epoch}: mean train loss {losses[-1]:.4f}\")\n"
+        "            self.epochs_run = epoch + 1\n"
+        "            if self.checkpoint_path and",
+        "        for epoch in range(max_epochs):\n"
+        "            losses.append(self._run_epoch(epoch, limit_batches))\n"
+        "            rank0_print(f\"epoch {epoch}: mean train loss {losses[-1]:.4f}\")\n"
+        "            self.epochs_run = epoch + 1\n"
+        "            if self.checkpoint_path and",
+        (T01 + "test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode",),
+        why="a resumed Trainer trains the finished epochs again"),
+    Bug("01.0-no-train-mode", L01,
+        "        \"\"\"One pass over the data (at most ``limit_batches`` batches); returns the mean "
+        "loss.\"\"\"\n        self.model.train()\n",
+        "        \"\"\"One pass over the data (at most ``limit_batches`` batches); returns the mean "
+        "loss.\"\"\"\n",
+        (T01 + "test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode",),
+        why="after an evaluation the model trains in eval mode (no dropout, frozen batch norm)"),
+    # --- lesson 02: DataParallel by hand --------------------------------------------------------
+    Bug("02.1-floor-chunks", L02H,
+        "    size = -(-x.shape[0] // n)  # ceil(B / n)",
+        "    size = max(1, x.shape[0] // n)",
+        (T02 + "test_scatter_splits_the_batch_dimension_and_keeps_every_sample",),
+        why="floor division makes n+1 chunks when B does not divide"),
+    Bug("02.3-grad-of-replica-0", L02H,
+        "        summed = [sum(grads[r * k + i] for r in range(ctx.n)) for i in range(k)]",
+        "        summed = [grads[i] for i in range(k)]",
+        (T02 + "test_broadcast_backward_sums_the_replicas_gradients_onto_the_root",),
+        why="only the first replica's gradient reaches the root"),
+    Bug("02.2-buffers-cloned-for-replica-0", L02H,
+        "            if r > 0:\n                for name, b in orig._buffers.items():",
+        "            if True:\n                for name, b in orig._buffers.items():",
+        (T02 + "test_caveat_batch_norm_running_stats_come_from_replica_0_only",),
+        why="replica 0 gets a copy of the buffers, so no running statistic reaches the root"),
+    Bug("02.4-grad-mode-lost-in-threads", L02H,
+        "        with torch.set_grad_enabled(grad_enabled):\n            return replica(x)",
+        "        return replica(x)",
+        (T02 + "test_parallel_apply_carries_grad_mode_into_the_threads_and_raises_errors",),
+        why="a new thread starts with grad enabled, so no_grad() builds a graph anyway"),
+    Bug("02.5-gather-reversed", L02H,
+        "    return torch.cat(list(outputs), dim=0)",
+        "    return torch.cat(list(outputs)[::-1], dim=0)",
+        (T02 + "test_gather_concatenates_in_order_and_routes_gradients_back",),
+        why="outputs come back in the wrong order"),
+    Bug("02.2-replicas-share-the-root-parameters", L02H,
+        "                    copy._parameters[name] = copies[r * k + index[id(p)]]",
+        "                    copy._parameters[name] = p",
+        (T02 + "test_replicas_compute_what_the_root_computes_with_copies_of_its_weights",),
+        why="the replicas use the root's tensors themselves: on GPUs they are on the wrong "
+            "device, and no Broadcast sums their gradients"),
+    Bug("02.8-module-prefix", L02,
+        '    plain = getattr(dp_model, "module", dp_model)',
+        "    plain = dp_model",
+        (T02 + "test_checkpoint_saved_through_module_loads_into_a_plain_model",),
+        why="the checkpoint's keys start with 'module.'"),
+    Bug("02.9-no-warm-up", L02T,
+        "        for _ in range(warmup):\n            model(x)\n",
+        "",
+        (T02 + "test_timing_warms_up_synchronizes_and_takes_the_median",),
+        why="the first, slow call is timed"),
+    Bug("02.9-mean-not-median", L02T,
+        "    return statistics.median(times)",
+        "    return statistics.mean(times)",
+        (T02 + "test_timing_warms_up_synchronizes_and_takes_the_median",),
+        why="one outlier moves the result"),
+    Bug("02.9-no-synchronize-after", L02T,
+        "            model(x)\n            synchronize(device)\n            times.append(",
+        "            model(x)\n            times.append(",
+        (T02 + "test_timing_warms_up_synchronizes_and_takes_the_median",),
+        why="a GPU call returns before the work is done: the time measures the launch only"),
+    # --- lesson 03: DDP with mp.spawn -----------------------------------------------------------
+    Bug("03.1-local-rank-as-rank", L03,
+        "    rank = args.nr * args.gpus + local_rank\n    world_size = args.nodes * args.gpus\n"
+        "    device = setup(",
+        "    rank = local_rank\n    world_size = args.nodes * args.gpus\n    device = setup(",
+        (T03 + "test_every_process_finds_its_global_rank_and_joins_one_group",),
+        why="on the second node, ranks collide with the first node's"),
+    Bug("03.1-world-is-one-node", L03,
+        "    rank = args.nr * args.gpus + local_rank\n    world_size = args.nodes * args.gpus\n"
+        "    device = setup(",
+        "    rank = args.nr * args.gpus + local_rank\n    world_size = args.gpus\n"
+        "    device = setup(",
+        (T03 + "test_every_process_finds_its_global_rank_and_joins_one_group",),
+        why="the world size forgets the other nodes"),
+    Bug("03.2-seed-ignored", L03,
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)",
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle)",
+        (T03 + "test_without_shuffle_the_shares_are_in_order_and_the_seed_counts",),
+        why="every run shuffles the same way whatever seed it is given"),
+    Bug("03.2-no-distributed-sampler", L03,
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)\n"
+        "    return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)",
+        "    return TensorLoader(x, y, batch_size=batch_size, shuffle=shuffle)",
+        (T03 + "test_each_rank_gets_its_own_shuffled_share",),
+        why="every rank trains on the whole dataset"),
+    Bug("03.3-no-set-epoch", L03,
+        "        self.train_data.sampler.set_epoch(epoch)\n",
+        "        pass\n",
+        (T03 + "test_every_epoch_has_its_own_order_the_same_on_every_rank",),
+        why="every epoch sees the same order"),
+    Bug("03.4-every-rank-saves", L03,
+        "        if dist.get_rank() == 0:\n            save_checkpoint(self.checkpoint_path,",
+        "        if True:\n            save_checkpoint(self.checkpoint_path,",
+        (T03 + "test_only_rank0_saves_without_module_prefix_and_everyone_waits",),
+        why="every rank writes the same file at once"),
+    Bug("03.4-no-barrier", L03,
+        "self.model.module, self.optimizer, epoch)\n        dist.barrier()\n",
+        "self.model.module, self.optimizer, epoch)\n",
+        (T03 + "test_only_rank0_saves_without_module_prefix_and_everyone_waits",),
+        why="rank 1 reads the checkpoint before rank 0 has finished writing it"),
+    Bug("03.5-no-all-reduce", L03,
+        "    counts = torch.tensor([correct, total], device=device)\n    dist.all_reduce(counts)\n",
+        "    counts = torch.tensor([correct, total], device=device)\n",
+        (T03 + "test_accuracy_counts_the_whole_test_set_once",),
+        why="each rank reports the accuracy of its own half"),
+    Bug("03.5-padding-counted", L03,
+        "        keep = min(len(targets), real - total)  # the rest of this share is padding",
+        "        keep = len(targets)",
+        (T03 + "test_accuracy_counts_the_whole_test_set_once",),
+        why="DistributedSampler's padding samples are counted twice"),
+    Bug("03.2-shuffle-always", L03,
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)",
+        "    sampler = DistributedSampler(range(len(x)), shuffle=True, seed=seed)",
+        (T03 + "test_without_shuffle_the_shares_are_in_order_and_the_seed_counts",),
+        why="the evaluation loader shuffles too"),
+    Bug("03.5-reduce-to-rank-0", L03,
+        "    dist.all_reduce(counts)\n    return int(counts[0]), int(counts[1])",
+        "    dist.reduce(counts, dst=0)\n    return int(counts[0]), int(counts[1])",
+        (T03 + "test_accuracy_counts_the_whole_test_set_once",),
+        why="only rank 0 gets the totals; the others report something else"),
+    Bug("03.5-no-eval-mode", L03,
+        "    was_training = model.training\n    model.eval()\n    sampler = loader.sampler",
+        "    was_training = model.training\n    sampler = loader.sampler",
+        (T03 + "test_accuracy_counts_the_whole_test_set_once",),
+        why="evaluation runs in training mode (dropout on, batch-norm statistics updated)"),
+    # --- lesson 04: torchrun and snapshots ------------------------------------------------------
+    Bug("04.1-no-range-check", L04,
+        "    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size):",
+        "    if False:",
+        (T04 + "test_torchrun_env_rejects_ranks_out_of_range",),
+        why="a rank outside its world is accepted"),
+    Bug("04.1-restart-count-ignored", L04,
+        '                       int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))',
+        "                       0)",
+        (T04 + "test_torchrun_env_reads_every_variable",),
+        why="a restarted worker believes it is the first attempt"),
+    Bug("04.1-local-world-is-world", L04,
+        '    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))',
+        "    local_world_size = world_size",
+        (T04 + "test_torchrun_env_reads_every_variable",),
+        why="LOCAL_WORLD_SIZE is ignored"),
+    Bug("04.2-own-state-only", L04,
+        "    if get_world_size() > 1:\n        dist.all_gather_object(states, state)\n",
+        "",
+        (T04 + "test_every_rank_receives_every_ranks_rng_state_in_rank_order",),
+        why="the snapshot holds rank 0's random state for every rank"),
+    Bug("04.3-no-barrier", L04,
+        "                            world_size=len(rngs), sampler={\"seed\": "
+        "self.train_data.sampler.seed})\n        barrier()\n",
+        "                            world_size=len(rngs), sampler={\"seed\": "
+        "self.train_data.sampler.seed})\n",
+        (T04 + "test_only_rank_0_writes_a_snapshot_without_module_prefix",),
+        why="rank 1 goes on (or dies) before the snapshot is complete"),
+    Bug("04.4-rank-0s-rng-everywhere", L04,
+        '        rng = state["rng"][get_rank()]',
+        '        rng = state["rng"][0]',
+        (T04 + "test_every_rank_loads_the_snapshot_and_its_own_rng",),
+        why="every rank resumes with rank 0's random numbers"),
+    Bug("04.5-sampler-seed-not-restored", L04,
+        '            self.train_data.sampler.seed = info["sampler_seed"]\n',
+        "",
+        (T04 + "test_a_resumed_run_replays_the_snapshots_data_order",),
+        why="the resumed run shuffles with another seed"),
+    Bug("04.5-epochs-not-restored", L04,
+        '            self.epochs_run = info["epoch"]\n',
+        "",
+        (T04 + "test_every_rank_starts_from_the_snapshot",),
+        why="the resumed run starts again from epoch 0"),
+    Bug("04.3-every-rank-writes", L04,
+        "        if get_rank() == 0:\n            save_checkpoint(self.snapshot_path,",
+        "        if True:\n            save_checkpoint(self.snapshot_path,",
+        (T04 + "test_only_rank_0_writes_a_snapshot_without_module_prefix",),
+        why="every rank writes the same snapshot file at once"),
+    Bug("04.3-rank-0s-rng-for-all", L04,
+        "epoch, rng=rngs,",
+        "epoch, rng=[rngs[0]] * len(rngs),",
+        (T04 + "test_only_rank_0_writes_a_snapshot_without_module_prefix",),
+        why="the snapshot keeps rank 0's random state for every rank"),
+    Bug("04.4-world-size-not-checked", L04,
+        '    exact = state["world_size"] == get_world_size()',
+        "    exact = True",
+        (T04 + "test_a_snapshot_from_another_world_size_resumes_but_not_exactly",),
+        why="a snapshot from another world size restores the wrong ranks' random states"),
+    # --- lesson 05: DDP from scratch ------------------------------------------------------------
+    Bug("05.1-all-gather-adds", L05C,
+        "        chunks[recv_idx].copy_(exchange(send_idx, recv_idx))",
+        "        chunks[recv_idx].add_(exchange(send_idx, recv_idx))",
+        (T05 + "test_ring_all_reduce_equals_dist_all_reduce",),
+        why="the all-gather phase adds the finished chunks instead of copying them"),
+    Bug("05.1-one-step-short", L05C,
+        "    for s in range(world - 1):  # reduce-scatter",
+        "    for s in range(world - 2):  # reduce-scatter",
+        (T05 + "test_ring_all_reduce_equals_dist_all_reduce",),
+        why="the reduce-scatter stops one step early"),
+    Bug("05.1-ring-backwards", L05C,
+        "    right, left = (rank + 1) % world, (rank - 1) % world",
+        "    right, left = (rank - 1) % world, (rank + 1) % world",
+        (T05 + "test_ring_all_reduce_equals_dist_all_reduce",),
+        # With 3 ranks the mismatched sends and receives deadlock: the test stops the hung
+        # ranks and shows where they wait, which is the right failure for this bug.
+        expect=r"differs from dist\.all_reduce|hung and was stopped",
+        why="sends to the left neighbour while the chunk indices assume the right one"),
+    Bug("05.2-no-buffers", L05B,
+        "        for tensor in [*module.parameters(), *module.buffers()]:",
+        "        for tensor in module.parameters():",
+        (T05 + "test_naive_broadcasts_rank0_parameters_and_buffers",),
+        expect=r"missing broadcast",
+        why="buffers (batch norm's running statistics) start different on each rank"),
+    Bug("05.2-no-broadcast", L05B,
+        "            dist.broadcast(tensor.data, src=src)",
+        "            pass",
+        (T05 + "test_naive_broadcasts_rank0_parameters_and_buffers",),
+        expect=r"missing broadcast",
+        why="each rank starts from its own random weights"),
+    Bug("05.3-no-mean", L05N,
+        "            p.grad.div_(self.world_size)\n",
+        "",
+        (T05 + "test_naive_matches_single_process_and_torch_ddp",),
+        expect=r"missing divide by world size",
+        why="the gradients are summed, not averaged: the step is N times too big"),
+    Bug("05.3-none-grad-skipped", L05N,
+        "            if p.grad is None:\n                p.grad = torch.zeros_like(p)\n",
+        "            if p.grad is None:\n                continue\n",
+        (T05 + "test_naive_a_parameter_only_one_rank_used_is_averaged_with_zeros",),
+        expect=r"skipped its all-reduce",
+        why="a rank without a gradient skips a collective the other rank makes"),
+    Bug("05.4-hook-ignores-no-sync", L05O,
+        "            if self.require_sync:\n                work = dist.all_reduce(",
+        "            if True:\n                work = dist.all_reduce(",
+        (T05 + "test_overlap_hooks_respect_no_sync",),
+        why="no_sync() still communicates"),
+    Bug("05.4-register-hook", L05O,
+        "        def hook(param: torch.Tensor) -> None:\n            if self.require_sync:\n"
+        "                work = dist.all_reduce(param.grad, async_op=True)\n"
+        "                self.pending.append((work, param))\n\n        for p in self.params:\n"
+        "            self.hook_handles.append(p.register_post_accumulate_grad_hook(hook))",
+        "        def make_hook(param):\n            def hook(grad):\n"
+        "                if self.require_sync:\n"
+        "                    work = dist.all_reduce(grad, async_op=True)\n"
+        "                    self.pending.append((work, param))\n"
+        "                return grad\n            return hook\n\n        for p in self.params:\n"
+        "            self.hook_handles.append(p.register_hook(make_hook(p)))",
+        (T05 + "test_overlap_hooks_launch_from_the_accumulated_gradient_on_a_slow_network",),
+        why="register_hook sees the incoming gradient before it is accumulated into .grad"),
+    Bug("05.5-no-wait", L05O,
+        "        for work, p in self.pending:\n            work.wait()\n"
+        "            p.grad.div_(self.world_size)",
+        "        for work, p in self.pending:\n            p.grad.div_(self.world_size)",
+        (T05 + "test_overlap_waits_before_the_step_on_a_slow_network",),
+        expect=r"missing wait|2\.0x",
+        why="the step reads gradients the network has not finished summing"),
+    Bug("05.5-divide-before-wait", L05O,
+        "        for work, p in self.pending:\n            work.wait()\n"
+        "            p.grad.div_(self.world_size)",
+        "        for work, p in self.pending:\n            p.grad.div_(self.world_size)\n"
+        "            work.wait()",
+        (T05 + "test_overlap_waits_before_the_step_on_a_slow_network",),
+        expect=r"missing wait|2\.0x",
+        why="the division happens on a gradient the network is still writing"),
+    Bug("05.5-pending-kept", L05O,
+        "            p.grad.div_(self.world_size)\n        self.pending.clear()\n",
+        "            p.grad.div_(self.world_size)\n",
+        (T05 + "test_overlap_matches_single_process_with_its_own_finish",),
+        why="the next step waits on and divides last step's gradients again"),
+    Bug("05.6-forward-order", L05K,
+        "    for i in reversed(range(len(params))):",
+        "    for i in range(len(params)):",
+        (T05 + "test_buckets_two_in_reverse_registration_order",),
+        why="buckets fill in forward order, but backward produces gradients last layer first"),
+    Bug("05.6-elements-not-bytes", L05K,
+        "        nbytes = params[i].numel() * params[i].element_size()",
+        "        nbytes = params[i].numel()",
+        (T05 + "test_buckets_several_with_a_partial_last_one",),
+        why="the cap is in megabytes, the sizes in elements"),
+    Bug("05.6-closes-at-the-cap", L05K,
+        "        if current and size + nbytes > cap:",
+        "        if current and size + nbytes >= cap:",
+        (T05 + "test_buckets_one_when_the_cap_exceeds_the_model",
+         T05 + "test_buckets_several_with_a_partial_last_one"),
+        why="a bucket that fills the cap exactly is closed one parameter early"),
+    Bug("05.7-launch-on-first-gradient", L05K,
+        "            if self.ready[b] == len(self.buckets[b]):",
+        "            if self.ready[b] == 1:",
+        (T05 + "test_bucketed_matches_single_process_and_torch_ddp",),
+        why="the bucket is sent before its other gradients are in it"),
+    Bug("05.7-hook-ignores-no-sync", L05K,
+        "            if not self.require_sync:\n                return\n            b, i = ",
+        "            b, i = ",
+        (T05 + "test_bucketed_hooks_respect_no_sync",),
+        why="no_sync() still communicates"),
+    Bug("05.7-views-not-kept", L05K,
+        "                if self.gradient_as_bucket_view:\n                    param.grad = view\n",
+        "",
+        (T05 + "test_gradients_as_bucket_views_stay_correct_after_zero_grad",),
+        why="after set_to_none, the fresh .grad is copied in but no longer points at its view"),
+    Bug("05.8-no-mean", L05K,
+        "            self.bucket_buffers[b].div_(self.world_size)\n",
+        "",
+        (T05 + "test_bucketed_waits_and_unflattens_on_a_slow_network",),
+        expect=r"missing divide by world size",
+        why="the buckets are summed, not averaged"),
+    Bug("05.8-no-copy-back", L05K,
+        "                for p, view in zip(self.buckets[b], self.views[b]):\n"
+        "                    p.grad.copy_(view)\n",
+        "                pass\n",
+        (T05 + "test_bucketed_waits_and_unflattens_on_a_slow_network",),
+        why="the averaged bucket never reaches .grad"),
+    Bug("05.8-ready-not-reset", L05K,
+        "        self.pending.clear()\n        self.ready = [0] * len(self.buckets)\n"
+        "        # END SOLUTION",
+        "        self.pending.clear()\n        # END SOLUTION",
+        (T05 + "test_bucketed_waits_and_unflattens_on_a_slow_network",),
+        why="the second step's counts start where the first ended"),
+    Bug("05.9-not-restored-on-error", L05B,
+        "        try:\n            yield\n        finally:\n            self.require_sync = previous",
+        "        yield\n        self.require_sync = previous",
+        (T05 + "test_no_sync_restores_the_flag_after_an_error_and_when_nested",),
+        why="an exception inside the block leaves communication off for good"),
+    Bug("05.9-nesting-turns-sync-on", L05B,
+        "        finally:\n            self.require_sync = previous",
+        "        finally:\n            self.require_sync = True",
+        (T05 + "test_no_sync_restores_the_flag_after_an_error_and_when_nested",),
+        why="leaving an inner no_sync() turns communication back on inside the outer one"),
+    # --- lesson 06: mixed precision -------------------------------------------------------------
+    Bug("06.1-unscaled-backward", L06,
+        "        self.scaler.scale(loss).backward()",
+        "        loss.backward()",
+        (T06 + "test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd",),
+        why="small fp16 gradients underflow, and step() unscales gradients that were not scaled"),
+    Bug("06.1-clip-before-unscale", L06,
+        "            self.scaler.unscale_(self.optimizer)  # .grad holds the true gradients now\n"
+        "            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)",
+        "            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)\n"
+        "            self.scaler.unscale_(self.optimizer)",
+        (T06 + "test_clipping_happens_after_unscale",),
+        why="the norm is measured on scaled gradients, so clipping is wrong by the scale"),
+    Bug("06.1-optimizer-step", L06,
+        "        self.scaler.step(self.optimizer)  # skips the step if a gradient is inf or NaN",
+        "        self.optimizer.step()",
+        (T06 + "test_inf_gradient_skips_the_step_and_backs_off_the_scale",),
+        why="an inf gradient is applied to the weights"),
+    Bug("06.1-no-update", L06,
+        "        self.scaler.update()\n        return loss.item()",
+        "        return loss.item()",
+        (T06 + "test_inf_gradient_skips_the_step_and_backs_off_the_scale",),
+        why="the scale never backs off nor grows"),
+    Bug("06.1-autocast-default-dtype", L06,
+        "        with torch.autocast(self.device.type, dtype=self.dtype, "
+        "enabled=self.dtype is not None):",
+        "        with torch.autocast(self.device.type, enabled=self.dtype is not None):",
+        (T06 + "test_autocast_runs_in_the_dtype_asked_for_not_the_devices_default",),
+        why="fp16 was asked for, but CPU autocast runs bf16"),
+    Bug("06.1-autocast-around-backward", L06,
+        "            loss = F.cross_entropy(self.model(source), targets)\n"
+        "        self.scaler.scale(loss).backward()",
+        "            loss = F.cross_entropy(self.model(source), targets)\n"
+        "            self.scaler.scale(loss).backward()",
+        (T06 + "test_autocast_covers_forward_only_not_backward_or_step",),
+        why="backward runs under autocast"),
+    Bug("06.1-no-zero-grad", L06,
+        "        self.optimizer.zero_grad(set_to_none=True)\n        with torch.autocast(",
+        "        with torch.autocast(",
+        (T06 + "test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd",),
+        why="each step adds the previous step's (scaled) gradients"),
+    Bug("06.1-autocast-always-on", L06,
+        "dtype=self.dtype, enabled=self.dtype is not None):",
+        "dtype=self.dtype, enabled=True):",
+        (T06 + "test_autocast_runs_in_the_dtype_asked_for_not_the_devices_default",),
+        why="an fp32 run still runs under autocast, in the device's default low precision"),
+    Bug("06.2-resume-without-scaler-state", L06,
+        '                if not state.get("scaler"):\n',
+        "                if False:\n",
+        (T06 + "test_resuming_a_scaled_run_from_a_checkpoint_without_scaler_state_is_an_error",),
+        why="a scaled run resumes from an unscaled checkpoint at the initial scale"),
+    Bug("06.2-scaler-not-saved", L06,
+        "            save_checkpoint(self.checkpoint_path, self.model.module, self.optimizer, epoch,\n"
+        "                            scaler=self.scaler.state_dict())",
+        "            save_checkpoint(self.checkpoint_path, self.model.module, self.optimizer, epoch)",
+        (T06 + "test_checkpoint_holds_scaler_state_and_resume_restores_it",),
+        why="a resumed fp16 run starts again at scale 65536 and skips steps to find its scale"),
+    Bug("06.2-scaler-not-loaded", L06,
+        '                self.scaler.load_state_dict(state["scaler"])\n',
+        "",
+        (T06 + "test_checkpoint_holds_scaler_state_and_resume_restores_it",),
+        why="the saved scale is ignored on resume"),
+    Bug("06.3-hook-only-records", L06I,
+        "    return allreduce_hook(state.group, bucket)",
+        "    fut = torch.futures.Future()\n    fut.set_result(bucket.buffer())\n    return fut",
+        (T06 + "test_ddp_all_reduces_fp32_gradients_under_bf16_autocast",),
+        why="the communication hook records the dtype but never all-reduces"),
+    Bug("06.3-records-a-constant", L06I,
+        "    state.dtypes.append(bucket.buffer().dtype)",
+        "    state.dtypes.append(torch.float32)",
+        (T06 + "test_ddp_all_reduces_fp32_gradients_under_bf16_autocast",),
+        why="the hook writes down the expected answer instead of the bucket's dtype"),
+    Bug("06.4-digit-zero-accepted", L06A,
+        "    if level in OPT_LEVELS:\n        return level\n",
+        "    if level in OPT_LEVELS:\n        return level\n"
+        "    if level[:1] == \"0\":\n        return \"O\" + level[1:]\n",
+        (T06 + "test_digit_zero_or_lowercase_o_is_caught_with_the_fix",),
+        why="'01' (digit zero) is silently taken for 'O1'"),
+    # --- lesson 07: Lightning -------------------------------------------------------------------
+    Bug("07.1-train-loss-synced-every-step", L07,
+        '        self.log("train_loss", loss, prog_bar=True)',
+        '        self.log("train_loss", loss, prog_bar=True, sync_dist=True)',
+        (T07 + "test_training_step_returns_the_cross_entropy_and_logs_it",),
+        why="an all-reduce on every training step, only to log"),
+    Bug("07.2-val-loss-not-synced", L07,
+        '        self.log("val_loss", loss, sync_dist=True)',
+        '        self.log("val_loss", loss)',
+        (T07 + "test_validation_logs_a_synced_loss_and_the_metric_object",),
+        why="each rank logs its own validation loss"),
+    Bug("07.2-metric-computed-per-batch", L07,
+        '        self.log("val_acc", self.val_acc, prog_bar=True)',
+        '        self.log("val_acc", self.val_acc.compute(), prog_bar=True)',
+        (T07 + "test_validation_logs_a_synced_loss_and_the_metric_object",),
+        why="a per-batch accuracy, averaged over batches, is not the accuracy of the set"),
+    Bug("07.3-unseeded-split", L07,
+        "            generator = torch.Generator().manual_seed(self.seed)",
+        "            generator = torch.Generator().manual_seed(torch.seed())",
+        (T07 + "test_every_rank_builds_the_same_split_and_train_val_do_not_overlap",),
+        why="each rank draws its own split, so validation samples leak into training"),
+    Bug("07.4-new-tensor-in-float32", L07,
+        "        noise = torch.randn(x.shape, device=self.device, dtype=x.dtype)",
+        "        noise = torch.randn(x.shape, device=self.device)",
+        (T07 + "test_new_tensors_follow_the_module_device_and_input_dtype",),
+        why="the new tensor ignores the input's dtype (wrong under bf16 or double)"),
+    Bug("07.3-prepare-loads-setup-downloads", L07,
+        "        dpt_data.prepare(self.dataset, self.data_dir)\n",
+        "        pass\n",
+        (T07 + "test_setup_never_downloads_and_prepare_data_does",),
+        why="prepare_data does nothing, so the files are never fetched"),
+    Bug("07.5-plain-dataloader", "07_lightning/fabric_ddp.py",
+        "    return fabric.setup_dataloaders(DataLoader(dataset, batch_size=batch_size, "
+        "shuffle=True))",
+        "    return DataLoader(dataset, batch_size=batch_size, shuffle=True)",
+        (T07 + "test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device",
+         T07 + "test_fabric_trains_on_two_cpu_processes"),
+        why="each rank loads the whole dataset, and batches stay on the CPU"),
+    Bug("07.5-loss-backward", "07_lightning/fabric_ddp.py",
+        "        fabric.backward(loss)  # Fabric: in place of loss.backward()",
+        "        loss.backward()",
+        (T07 + "test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device",
+         T07 + "test_fabric_trains_on_two_cpu_processes"),
+        why="Fabric's precision plugin (loss scaling) and strategy hooks are skipped"),
+    Bug("07.6-sharded-is-fsdp-on-cpu", L07M,
+        '"ddp_sharded": "fsdp" if cuda else "ddp",',
+        '"ddp_sharded": "fsdp",',
+        (T07 + "test_ddp_sharded_becomes_fsdp_on_gpus_and_ddp_on_cpu",),
+        why="Lightning's fsdp refuses the CPU"),
+    Bug("07.6-gpus-0-means-gpu", L07M,
+        "        if gpus not in (None, 0):",
+        "        if gpus is not None:",
+        (T07 + "test_migrate_trainer_kwargs",),
+        why="gpus=0 (the CPU in 1.x) becomes accelerator='gpu', devices=0"),
+    Bug("07.6-dp-kept", L07M,
+        '    strategies = {"dp": "ddp", ',
+        '    strategies = {"dp": "dp", ',
+        (T07 + "test_migrate_trainer_kwargs",),
+        why="Lightning 2.x has no 'dp' strategy"),
+    # --- lesson 08: sharding --------------------------------------------------------------------
+    Bug("08.1-grads-sharded-at-stage-1", L08A,
+        "    grads = num_params * grad_bytes / (n if sharded >= 2 else 1)",
+        "    grads = num_params * grad_bytes / (n if sharded >= 1 else 1)",
+        (T08 + "test_prediction_shards_one_more_thing_per_stage",),
+        why="ZeRO-1 shards only the optimizer state"),
+    Bug("08.2-round-robin", L08Z,
+        "        rank = min(range(world_size), key=lambda r: (loads[r], r))",
+        "        rank = i % world_size",
+        (T08 + "test_partition_is_balanced_by_size_and_covers_everything",),
+        why="dealt out by count, not by size: one rank gets every weight, another the biases"),
+    Bug("08.3-no-copy-back", L08Z,
+        "                if r != self.rank:\n                    offset = 0\n",
+        "                if False:\n                    offset = 0\n",
+        (T08 + "test_sharded_optimizer_matches_plain_and_torch_zero",),
+        why="each rank updates its own shard, and the others never see the new weights"),
+    Bug("08.1-params-sharded-at-stage-2", L08A,
+        "    params = num_params * param_bytes / (n if sharded >= 3 else 1)",
+        "    params = num_params * param_bytes / (n if sharded >= 2 else 1)",
+        (T08 + "test_prediction_shards_one_more_thing_per_stage",),
+        why="ZeRO-2 keeps every parameter on every rank"),
+    Bug("08.3-no-local-step", L08Z,
+        "            self._sync_options()\n            self.local_optimizer.step()\n",
+        "            self._sync_options()\n",
+        (T08 + "test_sharded_optimizer_matches_plain_and_torch_zero",),
+        why="nobody steps: the weights never change"),
+    Bug("08.3-broadcast-from-rank-0", L08Z,
+        "                dist.broadcast(flat, src=self._global_rank(r), group=self.process_group)",
+        "                dist.broadcast(flat, src=self._global_rank(0), group=self.process_group)",
+        (T08 + "test_sharded_optimizer_matches_plain_and_torch_zero",),
+        why="every shard is taken from rank 0, which owns only its own"),
+    Bug("08.4-root-only", L08F,
+        "    for block in blocks:\n        fully_shard(block, **fsdp_kwargs)\n",
+        "",
+        (T08 + "test_fsdp2_shards_every_parameter_and_trains_like_ddp",),
+        why="one all-gather unit for the whole model: no overlap, the whole model in memory"),
+    Bug("08.5-sharded-state-dict", L08F,
+        "    options = StateDictOptions(full_state_dict=True, cpu_offload=True)",
+        "    options = StateDictOptions(full_state_dict=False, cpu_offload=False)",
+        (T08 + "test_full_state_dict_on_rank0_equals_ddps",),
+        why="each rank saves its own shard as if it were the whole model"),
+]
+
+
+def apply(bug: Bug, tree: Path) -> str | None:
+    """Make ``bug``'s edit in ``tree`` (a copy of solutions/); an error text if it can't."""
+    path = tree / bug.file
+    if not path.exists():
+        return f"{bug.file} does not exist"
+    text = path.read_text()
+    count = text.count(bug.find)
+    if count != 1:
+        return f"the text to replace occurs {count} times in {bug.file} (expected once)"
+    path.write_text(text.replace(bug.find, bug.replace))
+    return None
+
+
+def _failure_lines(output: str) -> list[str]:
+    """The lines that say why a test failed: pytest's ``E ...`` lines and summary lines."""
+    return [ln for ln in output.splitlines()
+            if ln.startswith("E ") or ln.startswith("FAILED") or ln.startswith("ERROR")]
+
+
+def verdict(bug: Bug, rc: int, output: str) -> tuple[str, str]:
+    """``(verdict, detail)`` for a run of ``bug``'s tests that exited with ``rc``."""
+    lines = _failure_lines(output)
+    first = next((ln[2:].strip() for ln in lines if ln.startswith("E ")),
+                 lines[0] if lines else output.strip().splitlines()[-1:] or "")
+    first = first if isinstance(first, str) else " ".join(first)
+    if rc == 0:
+        return "SURVIVED", "the tests passed on the broken code"
+    if rc != 1:
+        return "ERROR", f"pytest exited {rc}: {first[:200]}"
+    if bug.expect:  # the entry says what the right failure reads like (a hang, for some)
+        if re.search(bug.expect, output):
+            return "caught", first[:200]
+        return "WRONG REASON", f"no /{bug.expect}/ in the failure: {first[:200]}"
+    if re.search(r"Timeout|timed out after|hung and was stopped", "\n".join(lines)):
+        return "WRONG REASON", f"a timeout, not an assertion: {first[:200]}"
+    return "caught", first[:200]
+
+
+def run_one(bug: Bug, python: str, timeout: int) -> dict:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"dpt-bug-{bug.id}-") as tmp:
+        tree = Path(tmp) / "solutions"
+        shutil.copytree(SOLUTIONS, tree, ignore=shutil.ignore_patterns("__pycache__"))
+        problem = apply(bug, tree)
+        if problem:
+            return {"id": bug.id, "verdict": "STALE", "detail": problem, "seconds": 0.0}
+        cmd = [python, "-m", "pytest", "--target", str(tree), "-q", "-x", "-p", "no:randomly",
+               "-p", "no:cacheprovider", "--no-header", *bug.tests]
+        if bug.keywords:
+            cmd += ["-k", " or ".join(bug.keywords)]
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
+                                  timeout=timeout)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, output = 1, f"E   Timeout: the tests ran past {timeout} s\n{exc.stdout or ''}"
+    v, detail = verdict(bug, rc, output)
+    return {"id": bug.id, "verdict": v, "detail": detail,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    p.add_argument("--only", default="", help="comma-separated bug ids")
+    p.add_argument("--lesson", default="", help="only this lesson's bugs, e.g. 05")
+    p.add_argument("-j", "--jobs", type=int, default=2, help="bugs tested at once (default 2)")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per bug (default 600)")
+    p.add_argument("--python", default=sys.executable, help="the venv's python")
+    args = p.parse_args(argv)
+
+    bugs = BUGS
+    if args.only:
+        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = sorted(set(wanted) - {b.id for b in BUGS})
+        if unknown:
+            p.error(f"unknown bug id(s): {', '.join(unknown)} (see --list)")
+        bugs = [b for b in BUGS if b.id in wanted]
+    if args.lesson:
+        bugs = [b for b in bugs if b.lesson == args.lesson.zfill(2)]
+        if not bugs:
+            p.error(f"no bug in lesson {args.lesson!r} (see --list)")
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
+    if args.list:
+        for b in bugs:
+            print(f"{b.id:36s} {b.file}: {b.why}")
+        return 0
+
+    print(f"[plant-bugs] {len(bugs)} bug(s), {args.jobs} at a time, tests against a broken "
+          f"copy of solutions/", flush=True)
+    results = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for n, result in enumerate(pool.map(lambda b: run_one(b, args.python, args.timeout),
+                                            bugs), 1):
+            results.append(result)
+            print(f"[{n}/{len(bugs)}] {result['verdict']:12s} {result['id']} "
+                  f"({result['seconds']:.0f} s): {result['detail']}", flush=True)
+    bad = [r for r in results if r["verdict"] != "caught"]
+    print(f"\n[plant-bugs] {len(results) - len(bad)} of {len(results)} planted bugs caught "
+          "for the right reason")
+    for r in bad:
+        print(f"  {r['verdict']}: {r['id']}: {r['detail']}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
