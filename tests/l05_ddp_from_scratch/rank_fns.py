@@ -463,10 +463,17 @@ def train_rank(rank, world_size, variant, model_name="toy", steps=3, task=None,
     def record_first():
         out["first_grads"] = _grads(module)
 
+    leftovers = []  # handles and ready counts a finish call left behind for the next step
+
+    def finish(m):
+        m.finish_gradient_synchronization()
+        leftovers.append(len(getattr(m, "pending", ())) + sum(getattr(m, "ready", ())))
+
     with instrumented(log, lazy):
-        _run_steps(model, opt, lambda m: m.finish_gradient_synchronization(), model_name,
+        _run_steps(model, opt, finish, model_name,
                    rank, world_size, steps, accumulate, no_sync=MarkNoSync(model, log),
                    set_to_none=set_to_none, on_first_sync=record_first)
+    out["leftover_after_sync"] = leftovers
     names = {id(p): n for n, p in module.named_parameters()}
     out.update({
         "state": _cpu_state(module),
@@ -529,6 +536,14 @@ def unused_rank(rank, world_size, variant, task=None):
         return ("error", str(exc))
     opt.step()
     return ("ok", torch.equal(before, module.unused.weight.detach()))
+
+
+def broadcast_from_rank_1(rank, world_size, task=None):
+    """``broadcast_state(module, src=1)``: every rank's parameters and buffers after it."""
+    apply_patches(parts_except("naive", task))
+    module = build("toy", seed=rank)
+    load(LESSON, "ddp_base").broadcast_state(module, src=1)
+    return _cpu_state(module)
 
 
 def unused_on_one_rank(rank, world_size, variant, task=None):
