@@ -207,9 +207,8 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
     torch.manual_seed(0)
     x, y = _separable()
     model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sd.Trainer(model, sd.prepare_dataloader(x, y, 32), opt, CPU, save_every=1,
-               checkpoint_path=tmp_path / "ck.pt").train(2)
+    sd.Trainer(model, sd.prepare_dataloader(x, y, 32), torch.optim.SGD(model.parameters(), lr=0.05),
+               CPU, save_every=1, checkpoint_path=tmp_path / "ck.pt").train(2)
     fresh = MLP().eval()  # as a model comes back from evaluate() or a notebook cell
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     resumed = sd.Trainer(fresh, sd.prepare_dataloader(x, y, 32), fresh_opt, CPU,

@@ -253,7 +253,11 @@ def test_fabric_trains_on_two_cpu_processes():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(ln[7:]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert sorted(r["rank"] for r in results) == [0, 1]
-    assert all(r["world_size"] == 2 and r["steps"] == 512 // 2 // 64 for r in results)
+    for r in results:
+        assert r["world_size"] == 2, f"rank {r['rank']} sees a world of {r['world_size']}, not 2"
+        assert r["steps"] == 512 // 2 // 64, (
+            f"rank {r['rank']} took {r['steps']} steps, not {512 // 2 // 64}: each rank must get "
+            f"half of the 512 samples (let fabric.setup_dataloaders give it its share)")
     assert results[0]["param_checksum"] == pytest.approx(results[1]["param_checksum"], abs=1e-6), \
         "the two ranks' models differ: gradients were not all-reduced"
     assert results[0]["first_loss"] != results[1]["first_loss"], "both ranks saw the same data"
