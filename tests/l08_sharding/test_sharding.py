@@ -212,10 +212,16 @@ def test_adamw_with_param_groups_matches():
 @pytest.mark.timeout(375)
 def test_zero2_reduce_gradients_then_step_matches_ddp():
     ranks = run_distributed(rank_fns.zero2_vs_plain, world_size=2, timeout=300)
-    for r in ranks:
-        assert r["diff"] < 1e-5
+    for rank, r in enumerate(ranks):
+        assert r["diff"] < 1e-5, (
+            f"rank {rank}: after reduce_gradients() and step() the weights differ from DDP's by "
+            f"{r['diff']:.2g}: each owner must end with the MEAN of the ranks' gradients (the "
+            f"reduce sums them; divide by the world size)")
         # after reduce_gradients a rank keeps gradients only for what it owns (4P/N-ish)
-        assert all(g == r["owned_bytes"] for g in r["grad_bytes"])
+        assert all(g == r["owned_bytes"] for g in r["grad_bytes"]), (
+            f"rank {rank} holds {r['grad_bytes']} bytes of gradients after reduce_gradients(), "
+            f"but owns {r['owned_bytes']}: free (set to None) the gradients of parameters "
+            f"another rank owns, or ZeRO-2 saves no memory")
         assert r["owned_bytes"] < 0.75 * 4 * P
 
 
