@@ -96,6 +96,22 @@ BUGS: list[Bug] = [
         "        loss = F.cross_entropy(",
         (T01 + "test_run_batch_matches_a_reference_sgd_step",),
         why="gradients of the previous batch are added to this one's"),
+    Bug("01.1-nll-on-logits", L01,
+        "        loss = F.cross_entropy(self.model(source), targets)\n        loss.backward()\n"
+        "        self.optimizer.step()\n        return loss.item()\n        # END SOLUTION\n\n"
+        "    def _run_epoch",
+        "        loss = F.nll_loss(self.model(source), targets)\n        loss.backward()\n"
+        "        self.optimizer.step()\n        return loss.item()\n        # END SOLUTION\n\n"
+        "    def _run_epoch",
+        (T01 + "test_run_batch_matches_a_reference_sgd_step",),
+        why="nll_loss expects log-probabilities; the model returns logits"),
+    Bug("01.1-step-before-backward", L01,
+        "        loss.backward()\n        self.optimizer.step()\n        return loss.item()\n"
+        "        # END SOLUTION\n\n    def _run_epoch",
+        "        self.optimizer.step()\n        loss.backward()\n        return loss.item()\n"
+        "        # END SOLUTION\n\n    def _run_epoch",
+        (T01 + "test_run_batch_matches_a_reference_sgd_step",),
+        why="the step uses no gradient (or the last batch's), then this batch's waits"),
     Bug("01.2-no-eval-mode", L01,
         "    was_training = model.training\n    model.eval()\n    correct = total = 0\n",
         "    was_training = model.training\n    correct = total = 0\n",
@@ -245,6 +261,12 @@ BUGS: list[Bug] = [
         "    return TensorLoader(x, y, batch_size=batch_size, shuffle=shuffle)",
         (T03 + "test_each_rank_gets_its_own_shuffled_share",),
         why="every rank trains on the whole dataset"),
+    Bug("03.2-drop-last", L03,
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)",
+        "    sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed, "
+        "drop_last=True)",
+        (T03 + "test_each_rank_gets_its_own_shuffled_share",),
+        why="the last samples are dropped, so the shares no longer cover the dataset"),
     Bug("03.3-no-set-epoch", L03,
         "        self.train_data.sampler.set_epoch(epoch)\n",
         "        pass\n",
@@ -515,6 +537,11 @@ BUGS: list[Bug] = [
         "        loss.backward()",
         (T06 + "test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd",),
         why="small fp16 gradients underflow, and step() unscales gradients that were not scaled"),
+    Bug("06.1-returns-the-scaled-loss", L06,
+        "        self.scaler.update()\n        return loss.item()",
+        "        self.scaler.update()\n        return self.scaler.scale(loss).item()",
+        (T06 + "test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd",),
+        why="the reported loss is multiplied by the scale (thousands)"),
     Bug("06.1-clip-before-unscale", L06,
         "            self.scaler.unscale_(self.optimizer)  # .grad holds the true gradients now\n"
         "            nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)",

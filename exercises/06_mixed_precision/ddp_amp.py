@@ -62,7 +62,8 @@ def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
-    every sample. With ``shuffle``, the order is random, the same ``seed`` on every rank."""
+    every sample (when the length does not divide, a few samples repeat to even the shares;
+    none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
     raise NotImplementedError("Task 03.2: copy your answer from lesson 03")
 
 

@@ -66,7 +66,8 @@ def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
-    every sample. With ``shuffle``, the order is random, the same ``seed`` on every rank."""
+    every sample (when the length does not divide, a few samples repeat to even the shares;
+    none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
     # BEGIN SOLUTION 03.2: a loader over this rank's share of the samples
     sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)
     return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)

@@ -75,6 +75,11 @@ def test_each_rank_gets_its_own_shuffled_share():
     assert sorted(first[0] + first[1]) == list(range(n)), "some samples are never seen"
     assert first[0] != sorted(first[0]), "the training data is not shuffled"
     assert shards[0][0] != shards[0][1], "the sampler's epoch does not change the order"
+    odd = run_distributed(rank_fns.loader_orders, WS, args=(n + 1, 4, True, 0), timeout=60)
+    seen = set().union(*(sum(orders[0], []) for orders in odd))
+    assert seen == set(range(n + 1)), (
+        f"with {n + 1} samples on {WS} ranks, samples {sorted(set(range(n + 1)) - seen)} are "
+        f"never seen: leave drop_last off, so the sampler pads the last share instead")
 
 
 @pytest.mark.task("03.2")
