@@ -14,7 +14,7 @@ runs the named tests against the copy (``pytest --target COPY``). The verdicts:
 - ``WRONG REASON``: they failed, but on a timeout or without the expected message;
 - ``STALE``: the edit no longer applies (the solution changed): update the entry.
 
-Usage (from the repository root; one bug takes 10-60 s, the whole list about 20 min on two
+Usage (from the repository root; one bug takes 10-60 s, the whole list about 10 min on two
 idle cores)::
 
     .venv/bin/python tools/plant_bugs.py                 # every bug, two at a time
@@ -770,9 +770,9 @@ def _failure_lines(output: str) -> list[str]:
 def verdict(bug: Bug, rc: int, output: str) -> tuple[str, str]:
     """``(verdict, detail)`` for a run of ``bug``'s tests that exited with ``rc``."""
     lines = _failure_lines(output)
+    last = output.strip().splitlines()[-1] if output.strip() else ""
     first = next((ln[2:].strip() for ln in lines if ln.startswith("E ")),
-                 lines[0] if lines else output.strip().splitlines()[-1:] or "")
-    first = first if isinstance(first, str) else " ".join(first)
+                 lines[0] if lines else last)
     if rc == 0:
         return "SURVIVED", "the tests passed on the broken code"
     if rc != 1:

@@ -210,7 +210,7 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
     sd.Trainer(model, sd.prepare_dataloader(x, y, 32), torch.optim.SGD(model.parameters(), lr=0.05),
                CPU, save_every=1, checkpoint_path=tmp_path / "ck.pt").train(2)
     fresh = MLP().eval()  # as a model comes back from evaluate() or a notebook cell
-    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
     resumed = sd.Trainer(fresh, sd.prepare_dataloader(x, y, 32), fresh_opt, CPU,
                          resume_from=tmp_path / "ck.pt")
     assert resumed.epochs_run == 2, "a resumed Trainer starts at the checkpoint's epoch"
