@@ -37,8 +37,20 @@ WS = 2
 @pytest.mark.task("03.1")
 @pytest.mark.timeout(120)
 def test_every_process_finds_its_global_rank_and_joins_one_group():
+    # First in this process, without joining, on layouts where nodes != processes per node:
+    # with 2 x 2 alone, nr * nodes + local_rank (the two counts swapped) gives the right ranks.
+    for nodes, gpus in ((3, 2), (2, 3)):
+        for rank in range(nodes * gpus):
+            info = rank_fns.setup_ranks_without_joining(rank, nodes * gpus, nodes, gpus)
+            assert (info["joined"] in (None, (rank, nodes * gpus))
+                    and info["returned"] == (rank, nodes * gpus)), (
+                f"with {nodes} nodes of {gpus} processes, local process {rank % gpus} of node "
+                f"{rank // gpus} gets (rank, world_size) {info['joined'] or info['returned']}, "
+                f"not {(rank, nodes * gpus)}: the nodes before this one hold nr * gpus "
+                "processes (gpus per node, not the number of nodes)")
     nodes, gpus = 2, 2  # 4 processes: test rank r plays local process r % 2 of node r // 2
-    # first without joining: a wrong rank would otherwise show as two processes claiming it
+    # then each in its own process, still without joining: a wrong rank would otherwise show
+    # as two processes claiming it
     dry = run_distributed(rank_fns.setup_ranks_without_joining, nodes * gpus,
                           args=(nodes, gpus), backend=None, timeout=60)
     for rank, info in enumerate(dry):  # (None: joined without dpt.dist.setup; checked below)

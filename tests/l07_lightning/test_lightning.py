@@ -164,6 +164,27 @@ def test_every_rank_builds_the_same_split_and_train_val_do_not_overlap(lf):
 
 
 @requires_data
+@pytest.mark.task("07.3")
+def test_each_stage_gets_its_own_data_the_test_set_from_the_test_files(lf):
+    """Trainer.validate() calls setup("validate") and Trainer.test() setup("test")."""
+    from dpt.data import load_tensors
+
+    dm = lf.FashionDataModule(val_size=500, verbose=False)
+    dm.setup("validate")
+    assert getattr(dm, "val_set", None) is not None and len(dm.val_set) == 500, (
+        'setup("validate") (what Trainer.validate() calls) must build the validation split')
+    dm = lf.FashionDataModule(val_size=500, verbose=False)
+    dm.setup("test")
+    x_test, _ = load_tensors(dm.dataset, train=False, root=dm.data_dir)
+    assert getattr(dm, "test_set", None) is not None, 'setup("test") must build the test set'
+    assert len(dm.test_set) == len(x_test), (
+        f'setup("test") gives {len(dm.test_set)} samples, not the {len(x_test)} of the test '
+        "files: load them with train=False")
+    torch.testing.assert_close(dm.test_set[0][0], x_test[0], msg=lambda m: "the test set's first "
+                               f"sample is not the test files' first\n{m}")
+
+
+@requires_data
 def test_the_datamodule_makes_no_distributed_sampler_of_its_own(lf):
     dm = lf.FashionDataModule(train_limit=64, val_limit=32, verbose=False)
     dm.setup("fit")

@@ -141,6 +141,50 @@ def zero2_vs_plain(rank, world_size, steps=3):
     return {"diff": diff, "grad_bytes": grad_bytes, "owned_bytes": owned}
 
 
+def sharded_on_a_subgroup(rank, world_size, steps=3):
+    """The optimizer over ``process_group=new_group([1, 2])`` of a 3-process job.
+
+    Group rank r is global rank r + 1 there, so code that passes a group rank where
+    torch.distributed wants a global one (``src=``/``dst=``) fails or sends from the wrong
+    rank. Rank 0 is outside the group and only takes part in creating it. Ranks 1 and 2
+    average their gradients over the group by hand, then step a plain Adam (the reference)
+    and the lesson's ShardedOptimizer (stage 1); a third copy goes through
+    reduce_gradients() (stage 2) from its raw gradients.
+    """
+    import torch.distributed as dist
+    from torch import nn
+
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return {"in_group": False}
+    zo = load(LESSON, "zero_optimizer")
+    use_reference_partition(zo)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    models = [copy.deepcopy(base) for _ in range(3)]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01}
+    opts = [torch.optim.Adam(models[0].parameters(), **kwargs),
+            zo.ShardedOptimizer(models[1].parameters(), torch.optim.Adam, process_group=group,
+                                **kwargs),
+            zo.ShardedOptimizer(models[2].parameters(), torch.optim.Adam, process_group=group,
+                                **kwargs)]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if i < 2:  # the group's mean gradient, by hand
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= 2
+            else:
+                opt.reduce_gradients()
+            opt.step()
+    return {"in_group": True,
+            "params": [[p.detach().clone() for p in m.parameters()] for m in models]}
+
+
 def reference_memory(rank, world_size):
     """Measured bytes per rank under DDP, torch ZeRO-1 and torch FSDP2 (reference code)."""
     from torch.distributed.fsdp import fully_shard
@@ -179,6 +223,32 @@ def reference_memory(rank, world_size):
                       "optimizer": state_of(inner)}
     out["num_params"] = sum(p.numel() for p in ConvNet().parameters())
     return out
+
+
+def fsdp_options_reach_every_block(rank, world_size):
+    """shard_model(..., mp_policy=...) with float64 parameters in compute.
+
+    The root casts the input to float64; a block sharded without the options computes in
+    float32 and fails on the float64 input. Returns the dtypes each block computed in.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    ft = load(LESSON, "fsdp2_train")
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)  # batch norm's running stats would stay float32
+    seen = {}
+    for name in ("layer1", "layer2", "fc"):
+        block = getattr(model, name)
+        block.register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, str(args[0].dtype)))
+    ft.shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    x, y = batch(rank, 0)
+    try:
+        F.cross_entropy(model(x), y).backward()
+        error = None
+    except RuntimeError as exc:  # e.g. "mat1 and mat2 must have the same dtype"
+        error = str(exc).splitlines()[0]
+    return {"seen": seen, "error": error}
 
 
 def _torch_shard(model):

@@ -225,6 +225,23 @@ def test_zero2_reduce_gradients_then_step_matches_ddp():
         assert r["owned_bytes"] < 0.75 * 4 * P
 
 
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(300)
+def test_the_optimizer_works_on_a_process_group_that_is_not_the_world():
+    """Ranks 1 and 2 of three share the optimizer; group rank r is global rank r + 1."""
+    ranks = run_distributed(rank_fns.sharded_on_a_subgroup, world_size=3, timeout=240)
+    assert ranks[0] == {"in_group": False}
+    for rank, r in ((1, ranks[1]), (2, ranks[2])):
+        plain, stage1, stage2 = r["params"]
+        hint = ("torch.distributed's src= and dst= take GLOBAL ranks: map the group's rank r "
+                "with dist.get_global_rank(process_group, r)")
+        assert _close(stage1, plain), f"rank {rank}, step() on a subgroup: {hint}"
+        assert _close(stage2, plain), f"rank {rank}, reduce_gradients() on a subgroup: {hint}"
+    for a, b in zip(ranks[1]["params"][1], ranks[2]["params"][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: "the group's two ranks "
+                                   f"disagree after step(): broadcast to the group\n{m}")
+
+
 # --- 08.4 / 08.5 FSDP2 ---------------------------------------------------------------------
 
 @pytest.mark.task("08.4")
@@ -245,6 +262,18 @@ def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
         assert max(local) <= -(-numel // 2), name
 
 
+@pytest.mark.task("08.4")
+@pytest.mark.timeout(300)
+def test_fsdp2_options_reach_every_block():
+    """shard_model's keyword arguments (mesh, mp_policy, ...) go to every fully_shard call."""
+    ranks = run_distributed(rank_fns.fsdp_options_reach_every_block, world_size=2, timeout=240)
+    for rank, r in enumerate(ranks):
+        assert r["error"] is None and set(r["seen"].values()) == {"torch.float64"}, (
+            f"rank {rank}: with mp_policy(param_dtype=float64) the blocks computed in "
+            f"{r['seen']} ({r['error']}): pass shard_model's **fsdp_kwargs to fully_shard for "
+            "every block, not only for the root")
+
+
 @pytest.mark.task("08.5")
 @pytest.mark.timeout(375)
 def test_full_state_dict_on_rank0_equals_ddps():
@@ -258,7 +287,9 @@ def test_full_state_dict_on_rank0_equals_ddps():
         torch.testing.assert_close(v, ddp_sd[k], atol=1e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: "
                                    "the full state dict differs from DDP's weights: gather "
                                    f"every shard (full_state_dict=True)\n{m}")
-    assert ranks[1]["fsdp_sd"] == {}  # cpu_offload: only rank 0 keeps the full copy
+    assert ranks[1]["fsdp_sd"] == {}, (  # cpu_offload: only rank 0 keeps the full copy
+        f"rank 1 holds {len(ranks[1]['fsdp_sd'])} full tensors too: with cpu_offload=True only "
+        "rank 0 keeps the gathered state dict (on the CPU); the other ranks get an empty one")
 
 
 # --- the scripts (not graded) --------------------------------------------------------------
