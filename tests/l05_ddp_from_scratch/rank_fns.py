@@ -467,7 +467,14 @@ def train_rank(rank, world_size, variant, model_name="toy", steps=3, task=None,
 
     def finish(m):
         m.finish_gradient_synchronization()
-        leftovers.append(len(getattr(m, "pending", ())) + sum(getattr(m, "ready", ())))
+        left = len(getattr(m, "pending", ())) + sum(getattr(m, "ready", ()))
+        leftovers.append(left)
+        # Said here, on the rank: left behind, the counts or handles make the next step fail
+        # somewhere else (a bucket that "never became ready"), which names the wrong cause.
+        assert not left, (
+            f"rank {rank}: after finish_gradient_synchronization() returned, self.pending (or "
+            f"self.ready) still held this step's work: clear them, or the next step waits on "
+            f"and divides these gradients again (or, with ready counts, never launches)")
 
     with instrumented(log, lazy):
         _run_steps(model, opt, finish, model_name,
