@@ -55,6 +55,17 @@ def test_prediction_uses_the_bytes_per_parameter_it_is_given(acc):
         acc.predict_bytes(100, 2, "zero4")
 
 
+@pytest.mark.task("08.1")
+def test_prediction_table_has_a_row_per_stage_and_world_size_in_mib(acc):
+    rows = acc.prediction_table(1_000_003, world_sizes=(1, 4), param_bytes=2, grad_bytes=2,
+                                state_bytes=12)
+    assert [(r["stage"], r["world_size"]) for r in rows] == [
+        (s, n) for s in acc.STAGES for n in (1, 4)]
+    for r in rows:
+        pred = acc.predict_bytes(1_000_003, r["world_size"], r["stage"], 2, 2, 12)
+        assert {k: r[k] for k in pred} == pytest.approx({k: v / 2**20 for k, v in pred.items()})
+
+
 @pytest.mark.slow
 @pytest.mark.task("08.1")
 @pytest.mark.timeout(300)
