@@ -318,6 +318,12 @@ BUGS: list[Bug] = [
         "    was_training = model.training\n    sampler = loader.sampler",
         (T03 + "test_accuracy_counts_the_whole_test_set_once",),
         why="evaluation runs in training mode (dropout on, batch-norm statistics updated)"),
+    Bug("03.0-no-ddp-wrap", L03,
+        '        self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" '
+        'else None)',
+        "        self.model = self.model",
+        (T03 + "test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b",),
+        why="the model is never wrapped in DDP: each rank trains alone and the copies drift"),
     # --- lesson 04: torchrun and snapshots ------------------------------------------------------
     Bug("04.1-no-range-check", L04,
         "    if not (0 <= rank < world_size and 0 <= local_rank < local_world_size):",
@@ -367,6 +373,14 @@ BUGS: list[Bug] = [
         (T04 + "test_every_rank_starts_from_the_snapshot",),
         expect=r"must resume at the snapshot.s epoch",
         why="the snapshot's epoch is the number of epochs done; +1 skips one"),
+    Bug("04.0-snapshot-counts-from-zero", L04,
+        "                self._save_snapshot(self.epochs_run)",
+        "                self._save_snapshot(epoch)",
+        (T04 + "test_every_rank_starts_from_the_snapshot",
+         "tests/l04_ddp_torchrun/test_torchrun_launch.py::"
+         "test_torchrun_restarts_after_a_fault_and_matches_a_run_that_never_failed"),
+        expect=r"resumed at epoch 0, not 1",
+        why="the snapshot records the epoch it was in, not the epochs done: one epoch twice"),
     Bug("04.3-every-rank-writes", L04,
         "        if get_rank() == 0:\n            save_checkpoint(self.snapshot_path,",
         "        if True:\n            save_checkpoint(self.snapshot_path,",
