@@ -146,7 +146,7 @@ def sharded_on_a_subgroup(rank, world_size, steps=3):
 
     Group rank r is global rank r + 1 there, so code that passes a group rank where
     torch.distributed wants a global one (``src=``/``dst=``) fails or sends from the wrong
-    rank. Rank 0 is outside the group and only takes part in creating it. Ranks 1 and 2
+    rank. Rank 0 is outside the group: it takes part in creating it, then waits. Ranks 1 and 2
     average their gradients over the group by hand, then step a plain Adam (the reference)
     and the lesson's ShardedOptimizer (stage 1); a third copy goes through
     reduce_gradients() (stage 2) from its raw gradients.
@@ -155,7 +155,8 @@ def sharded_on_a_subgroup(rank, world_size, steps=3):
     from torch import nn
 
     group = dist.new_group([1, 2])
-    if rank == 0:
+    if rank == 0:  # it hosts the job's store: it waits for the group before it leaves
+        dist.barrier()
         return {"in_group": False}
     zo = load(LESSON, "zero_optimizer")
     use_reference_partition(zo)
@@ -181,6 +182,7 @@ def sharded_on_a_subgroup(rank, world_size, steps=3):
             else:
                 opt.reduce_gradients()
             opt.step()
+    dist.barrier()
     return {"in_group": True,
             "params": [[p.detach().clone() for p in m.parameters()] for m in models]}
 
