@@ -8,7 +8,7 @@
 
 Every (method, N) is launched ``rounds`` times in fresh rank processes, with a hard timeout;
 one round launches each method at N = 1 and N = k back to back (the order flipped every other
-round), so each speedup is a ratio taken within a round and the rounds give its 95% interval
+round, and the methods in a new shuffled order each round), so each speedup is a ratio taken within a round and the rounds give its 95% interval
 (``benchmarks/analysis.py``). The ``independent`` control runs in the same rounds; the load
 of the machine is recorded around every launch, and results taken on a busy machine are
 marked "unreliable: machine busy". A method that fails or hangs is recorded with its error
@@ -339,6 +339,24 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
         comm = max(r["comm_s"] for r in ranks)
         out.update(comm_s=comm, compute_s=max(0.0, step_s - comm))
     return out
+
+
+def round_schedule(n_groups: int, rnd: int) -> list[tuple[int, bool]]:
+    """The launch order of round ``rnd``: (group index, N's reversed?) for every group once.
+
+    A group is one method's launches at every N, back to back. The groups are shuffled anew
+    each round (seeded by the round, so a rerun repeats the order), and N's order flips every
+    other round. Without the shuffle, round r launches method m at about the same offset
+    into the round every time: a disturbance that recurs with the period of a round (a host
+    job, a frequency change) hits the same method in every round and shifts its result
+    without widening its interval, so two runs disagree. Shuffled, it lands on a different
+    method each round and shows up in the intervals instead.
+    """
+    import random
+
+    order = list(range(n_groups))
+    random.Random(7919 * (rnd + 1)).shuffle(order)
+    return [(g, rnd % 2 == 1) for g in order]
 
 
 def run_one(name: str, n: int, cfg: Config, methods, rounds: int = 1) -> dict:
@@ -909,7 +927,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     # Every (method, N) is a record; a round launches each once, N=1 and N=k back to back,
-    # the order flipped every other round, so slow drifts of the machine hit both alike.
+    # the order flipped every other round, so slow drifts of the machine hit both alike, and
+    # the methods shuffled anew each round (round_schedule).
     records, groups = [], []
     for name in names:
         group = [new_record(name, n, cfg, methods) for n in ns]
@@ -942,8 +961,9 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"all-reduce curve failed: {exc}")
         bar.update()
     for rnd in range(cfg.rounds):
-        for group, gcfg in groups:
-            for rec in (group if rnd % 2 == 0 else group[::-1]):
+        for g, flip in round_schedule(len(groups), rnd):
+            group, gcfg = groups[g]
+            for rec in (group[::-1] if flip else group):
                 if rec["status"] != "ok":
                     continue
                 tag = f" batch={rec['sweep']}" if "sweep" in rec else ""

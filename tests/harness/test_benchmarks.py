@@ -214,6 +214,20 @@ def test_pairing_cancels_a_drift_that_hits_both_sides_of_a_round():
     assert single["value"] == pytest.approx(1.9) and single["lo"] is None  # no interval from one
 
 
+def test_each_round_launches_every_method_once_in_a_new_order_and_flips_n():
+    from benchmarks.run import round_schedule
+
+    rounds = [round_schedule(15, r) for r in range(5)]
+    for r, sched in enumerate(rounds):
+        assert sorted(g for g, _ in sched) == list(range(15))  # every method, once
+        assert all(flip == (r % 2 == 1) for _, flip in sched)  # N=1 first, then N=k first
+    assert round_schedule(15, 3) == rounds[3]  # a rerun repeats the order
+    # A disturbance that recurs at the same offset into every round must not land on the same
+    # method each time (that biases one method and leaves its interval narrow).
+    for pos in range(15):
+        assert len({sched[pos][0] for sched in rounds}) > 1, f"position {pos} never moves"
+
+
 def test_speedups_pair_rounds_and_carry_their_intervals():
     recs = [_rec("independent", 1, [100, 102, 98]), _rec("independent", 2, [190, 196, 188]),
             _rec("ddp_spawn", 1, [90, 92, 91]), _rec("ddp_spawn", 2, [160, 170, 150]),
