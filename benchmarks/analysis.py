@@ -2,8 +2,9 @@
 
 The harness (``benchmarks/run.py``) measures every (method, N) several times, in *rounds*: one
 round launches each method at every N once, N = 1 and N = k back to back, alternating which
-comes first (A B, then B A, ...), the methods in a new shuffled order each round. A ratio of two measurements (a speedup, method A against
-method B) is then taken *per round* and the rounds give its spread:
+comes first (A B, then B A, ...), the methods in a new shuffled order each round. A ratio of
+two measurements (a speedup, method A against method B) is then taken *per round* and the
+rounds give its spread:
 
 - the estimate is the geometric mean of the per-round ratios;
 - the 95% interval is a paired t-interval on their logarithms (a ratio's noise is

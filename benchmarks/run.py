@@ -8,10 +8,10 @@
 
 Every (method, N) is launched ``rounds`` times in fresh rank processes, with a hard timeout;
 one round launches each method at N = 1 and N = k back to back (the order flipped every other
-round, and the methods in a new shuffled order each round), so each speedup is a ratio taken within a round and the rounds give its 95% interval
-(``benchmarks/analysis.py``). The ``independent`` control runs in the same rounds; the load
-of the machine is recorded around every launch, and results taken on a busy machine are
-marked "unreliable: machine busy". A method that fails or hangs is recorded with its error
+round, and the methods in a new shuffled order each round), so each speedup is a ratio taken
+within a round and the rounds give its 95% interval (``benchmarks/analysis.py``). The
+``independent`` control runs in the same rounds; the load of the machine is recorded around
+every launch, and results taken on a busy machine are marked "unreliable: machine busy". A method that fails or hangs is recorded with its error
 and the sweep goes on.
 
 Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``results.csv``,
@@ -27,6 +27,7 @@ import csv
 import json
 import os
 import platform
+import random
 import re
 import resource
 import signal
@@ -352,8 +353,6 @@ def round_schedule(n_groups: int, rnd: int) -> list[tuple[int, bool]]:
     without widening its interval, so two runs disagree. Shuffled, it lands on a different
     method each round and shows up in the intervals instead.
     """
-    import random
-
     order = list(range(n_groups))
     random.Random(7919 * (rnd + 1)).shuffle(order)
     return [(g, rnd % 2 == 1) for g in order]
