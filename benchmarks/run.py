@@ -11,8 +11,10 @@ one round launches each method at N = 1 and N = k back to back (the order flippe
 round, and the methods in a new shuffled order each round), so each speedup is a ratio taken
 within a round and the rounds give its 95% interval (``benchmarks/analysis.py``). The
 ``independent`` control runs in the same rounds; the load of the machine is recorded around
-every launch, and results taken on a busy machine are marked "unreliable: machine busy". A method that fails or hangs is recorded with its error
-and the sweep goes on.
+every launch, and results taken on a busy machine are marked "unreliable: machine busy". A
+method that fails or hangs is recorded with its error and the sweep goes on. On a CPU each
+rank runs pinned to a core of its own (``pin_rank``; ``--no-pin`` leaves it to the OS), and
+each round's ranks fork from a new server, so each round samples a new memory layout.
 
 Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``results.csv``,
 ``summary.md`` and the PNG plots; ``benchmarks/runs/latest`` points at the last run with at
@@ -78,6 +80,11 @@ class Config:
     control_floor: float = 0.85  # the control's efficiency below which the machine was busy
     strong: bool = False
     threads_per_rank: int = 1
+    # CPU runs: each rank on cores of its own (pin_rank); --no-pin leaves it to the OS
+    pin: bool = True
+    # Each round's ranks fork from a new server, so each round samples a new memory layout
+    # (dpt.testing.restart_fork_server); otherwise one layout would bias a whole run
+    new_fork_server_each_round: bool = True
     model: str = "convnet"
     timeout: float = 300.0
     sweep_batches: list[int] = field(default_factory=lambda: [32, 128, 512])
@@ -102,6 +109,34 @@ def _peak_memory_mb(devices: list[torch.device]) -> tuple[float, str, dict]:
     return rss, "process peak RSS", {"cpu": rss}
 
 
+def pin_rank(local_rank: int, local_world_size: int, threads: int) -> list[int] | None:
+    """Bind this rank, and every thread it has or will start, to cores of its own.
+
+    Rank r gets cores [r*t, (r+1)*t) of those this process may use, t threads per rank, as
+    torch's CPU launcher does (``python -m torch.backends.xeon.run_cpu``). Left alone, the OS
+    moves threads between cores: a rank's gloo threads, waking to send its gradients, can land
+    on the other rank's core and stall its compute, and a synchronous step then waits for it.
+    Returns the cores, or None where it does not pin: more threads than cores, or no
+    ``sched_setaffinity`` (macOS, Windows).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if local_world_size * threads > len(allowed):
+        return None
+    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]  # gloo's threads exist already
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, mine)
+        except OSError:  # a thread that has just ended
+            pass
+    return mine
+
+
 def _timed(fn, steps: int, device) -> float:
     from dpt.device import synchronize
 
@@ -122,6 +157,10 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     methods = load_all()
     m = methods[method_name]
     device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
+    cores = (pin_rank(int(os.environ.get("LOCAL_RANK", rank)),
+                      int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                      cfg["threads_per_rank"]) if cfg.get("pin") and device.type == "cpu"
+             else None)
     per_rank = cfg["batch_size"] // world_size if cfg["strong"] else cfg["batch_size"]
     ctx = BenchContext(rank, world_size, device, max(1, per_rank), cfg["model"],
                        options=cfg.get("options", {}))
@@ -155,7 +194,7 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     out = {"rank": rank, "step_times": step_times, "loss": float(loss),
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
            "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
-           "cpu_s": usage.ru_utime + usage.ru_stime}
+           "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores}
     if comm_times:
         out["comm_s"] = statistics.median(comm_times)
     if compute_times:
@@ -328,6 +367,7 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
         peak_mem_mb_devices={f"rank{r['rank']} {d}": v for r in ranks
                              for d, v in r.get("peak_mem_mb_devices", {}).items()},
         final_loss=statistics.mean(r["loss"] for r in ranks), threads=ranks[0]["threads"],
+        cores=[r.get("cores") for r in ranks],
         load=machine_load(before, after, ours, hz=_hz()))
     notes = [note for r in ranks for note in r.get("notes", [])]
     if notes:
@@ -527,6 +567,24 @@ def _ok(result: dict, sweep: bool = False) -> list[dict]:
             and (r.get("sweep") is not None) == sweep]
 
 
+def placement_note(result: dict) -> str:
+    """How the ranks were placed on the cores and started, in a sentence (empty when unknown)."""
+    cfg = result["config"]
+    launches = [x for r in result["records"] for x in r.get("rounds", []) if "cores" in x]
+    if not launches:
+        return ""
+    pinned = sum(all(launch["cores"]) for launch in launches)
+    if pinned == len(launches):
+        text = "Each rank ran pinned to its own core(s) (`--no-pin` leaves them to the OS)"
+    elif pinned:
+        text = f"{pinned} of {len(launches)} launches ran with each rank pinned to its own core(s)"
+    else:
+        text = "The ranks were not pinned to cores"
+    if cfg.get("new_fork_server_each_round"):
+        text += "; each round's ranks were forked from a new server (a new memory layout)"
+    return text + "."
+
+
 def summary_markdown(result: dict) -> str:
     m, cfg = result["machine"], result["config"]
     rounds = cfg.get("rounds", 1)
@@ -540,6 +598,9 @@ def summary_markdown(result: dict) -> str:
     if rounds > 1:
         lines += ["Figures in brackets are 95% intervals over the rounds (paired: each "
                   "ratio is taken within a round).", ""]
+    placement = placement_note(result)
+    if placement:
+        lines += [placement, ""]
     lines += ["| method | N | status | samples/s | speedup | efficiency | step ms | comm ms | "
               "peak MB/rank | final loss | machine |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -832,6 +893,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--model", default="convnet", help="convnet, mlp or fashioncnn")
     p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--no-pin", action="store_true",
+                   help="CPU runs: let the OS place the ranks instead of giving each its own "
+                        "core(s)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per launch")
     p.add_argument("--rounds", type=int, default=None,
@@ -881,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
             req = f" (requires {', '.join(m.requires)})" if m.requires else ""
             print(f"{m.name:<26}{m.description}{req}")
         return 0
-    cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model)
+    cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model,
+                 pin=not args.no_pin)
     if args.quick:
         cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
         cfg.batch_size = 128
@@ -959,7 +1024,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - the sweep goes on without a cost model
             tqdm.write(f"all-reduce curve failed: {exc}")
         bar.update()
+    from dpt.testing import restart_fork_server
+
     for rnd in range(cfg.rounds):
+        if cfg.new_fork_server_each_round:
+            try:  # a new address-space layout for this round's ranks
+                restart_fork_server()
+            except Exception as exc:  # noqa: BLE001 - the round goes on with the old server
+                tqdm.write(f"round {rnd + 1}: could not restart the fork server: {exc}")
         for g, flip in round_schedule(len(groups), rnd):
             group, gcfg = groups[g]
             for rec in (group[::-1] if flip else group):

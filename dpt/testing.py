@@ -53,6 +53,30 @@ def _context():
     return _CTX
 
 
+def _nothing(rank: int, world_size: int) -> None:
+    return None
+
+
+def restart_fork_server() -> bool:
+    """Start the ranks of the next :func:`run_distributed` calls from a new fork server.
+
+    Every rank is a fork of the server, so every rank inherits its address-space layout, and
+    a layout that happens to be slow (a buffer that aliases in the cache) is the same in every
+    launch. A benchmark that restarts the server between rounds samples a new layout each
+    round, and the spread shows in its interval instead of as a bias in every round. Waits
+    until the new server has imported torch. False when the ranks are not forked from a
+    server (``DPT_MP_START``) or this Python has no way to stop it.
+    """
+    import multiprocessing.forkserver as forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if _context().get_start_method() != "forkserver" or not hasattr(server, "_stop"):
+        return False
+    server._stop()
+    run_distributed(_nothing, world_size=1, backend=None, timeout=120, echo=False)
+    return True
+
+
 def default_backend(world_size: int) -> str:
     """``backend="auto"``: NCCL when there is a GPU per rank, gloo otherwise.
 

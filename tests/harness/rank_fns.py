@@ -46,3 +46,21 @@ def join_and_barrier(local_rank, args):
                             timeout=timedelta(seconds=args.timeout))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def parent_pid(rank, world_size):
+    return os.getppid()
+
+
+def pin_and_report(rank, world_size, threads):
+    """Pin this rank as the benchmark does; report the cores of every thread it then has."""
+    import threading
+
+    from benchmarks.run import pin_rank
+
+    cores = pin_rank(rank, world_size, threads)
+    later = threading.Thread(target=time.sleep, args=(0.5,))
+    later.start()  # a thread started after pinning inherits the rank's cores
+    each = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+    later.join()
+    return {"cores": cores, "threads": each}

@@ -228,6 +228,25 @@ def test_each_round_launches_every_method_once_in_a_new_order_and_flips_n():
         assert len({sched[pos][0] for sched in rounds}) > 1, f"position {pos} never moves"
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and 2 cores")
+def test_each_rank_and_every_thread_it_has_are_pinned_to_a_core_of_its_own():
+    from dpt.testing import run_distributed
+    from tests.harness import rank_fns
+
+    ranks = run_distributed(rank_fns.pin_and_report, world_size=2, args=(1,), echo=False)
+    allowed = sorted(os.sched_getaffinity(0))
+    assert [r["cores"] for r in ranks] == [allowed[:1], allowed[1:2]]
+    for r in ranks:  # gloo's threads (started before pinning) and one started after
+        assert len(r["threads"]) > 2
+        assert all(c == r["cores"] for c in r["threads"].values()), r["threads"]
+    # More threads than the cores can take: nothing is pinned.
+    ranks = run_distributed(rank_fns.pin_and_report, world_size=2, args=(len(allowed),),
+                            echo=False)
+    assert all(r["cores"] is None for r in ranks)
+    assert all(c == allowed for r in ranks for c in r["threads"].values())
+
+
 def test_speedups_pair_rounds_and_carry_their_intervals():
     recs = [_rec("independent", 1, [100, 102, 98]), _rec("independent", 2, [190, 196, 188]),
             _rec("ddp_spawn", 1, [90, 92, 91]), _rec("ddp_spawn", 2, [160, 170, 150]),

@@ -65,3 +65,18 @@ def test_two_runs_at_once_use_different_ports():
     assert set(results) == {"a", "b"}
     assert results["a"][0]["port"] != results["b"][0]["port"]
     assert all(r["sum"] == 3.0 for run in results.values() for r in run)
+
+
+def test_after_a_restart_the_ranks_fork_from_a_new_server():
+    from dpt.testing import _context, restart_fork_server
+
+    if _context().get_start_method() != "forkserver":
+        pytest.skip("the ranks are not forked from a server here (DPT_MP_START)")
+    before = run_distributed(rank_fns.parent_pid, world_size=1, backend=None, echo=False)
+    again = run_distributed(rank_fns.parent_pid, world_size=1, backend=None, echo=False)
+    assert before == again, "without a restart the ranks come from the same server"
+    assert restart_fork_server() is True
+    after = run_distributed(rank_fns.parent_pid, world_size=2, backend=None, echo=False)
+    assert after[0] == after[1] and after[0] != before[0], (
+        "restart_fork_server() left the old fork server in place: every round of a benchmark "
+        "would share one memory layout")
