@@ -242,6 +242,7 @@ BUGS: list[Bug] = [
         "    device = setup(",
         "    rank = local_rank\n    world_size = args.nodes * args.gpus\n    device = setup(",
         (T03 + "test_every_process_finds_its_global_rank_and_joins_one_group",),
+        expect=r"that is the local rank",
         why="on the second node, ranks collide with the first node's"),
     Bug("03.1-world-is-one-node", L03,
         "    rank = args.nr * args.gpus + local_rank\n    world_size = args.nodes * args.gpus\n"
@@ -249,6 +250,7 @@ BUGS: list[Bug] = [
         "    rank = args.nr * args.gpus + local_rank\n    world_size = args.gpus\n"
         "    device = setup(",
         (T03 + "test_every_process_finds_its_global_rank_and_joins_one_group",),
+        expect=r"world_size counts every process of every machine",
         why="the world size forgets the other nodes"),
     Bug("03.1-nodes-for-gpus", L03,
         "    rank = args.nr * args.gpus + local_rank\n",

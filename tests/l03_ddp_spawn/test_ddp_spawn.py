@@ -34,6 +34,23 @@ WS = 2
 # ------------------------------------------------------------------ 03.1 ddp_setup
 
 
+def _rank_hint(got: tuple, nodes: int, gpus: int, local: int, nr: int) -> str:
+    """The likely mistake behind a wrong (rank, world_size) for process ``local`` of node
+    ``nr``, with ``nodes`` machines of ``gpus`` processes each."""
+    got_rank, got_world = got
+    if got_world != nodes * gpus:
+        return ("world_size counts every process of every machine (nodes * gpus), not "
+                f"{got_world}")
+    if got_rank == nr * nodes + local:
+        return ("the nodes before this one hold nr * gpus processes (gpus per node, not the "
+                "number of nodes)")
+    if got_rank == local:
+        return ("that is the local rank: the global rank also counts the processes of the "
+                "machines before this one, nr * gpus of them")
+    return (f"the global rank is the {nr * gpus} processes of the machines before this one, "
+            "plus this process's place on its own machine")
+
+
 @pytest.mark.task("03.1")
 @pytest.mark.timeout(120)
 def test_every_process_finds_its_global_rank_and_joins_one_group():
@@ -41,13 +58,13 @@ def test_every_process_finds_its_global_rank_and_joins_one_group():
     # with 2 x 2 alone, nr * nodes + local_rank (the two counts swapped) gives the right ranks.
     for nodes, gpus in ((3, 2), (2, 3)):
         for rank in range(nodes * gpus):
+            want = (rank, nodes * gpus)
             info = rank_fns.setup_ranks_without_joining(rank, nodes * gpus, nodes, gpus)
-            assert (info["joined"] in (None, (rank, nodes * gpus))
-                    and info["returned"] == (rank, nodes * gpus)), (
+            got = info["joined"] if info["joined"] not in (None, want) else info["returned"]
+            assert got == want, (
                 f"with {nodes} nodes of {gpus} processes, local process {rank % gpus} of node "
-                f"{rank // gpus} gets (rank, world_size) {info['joined'] or info['returned']}, "
-                f"not {(rank, nodes * gpus)}: the nodes before this one hold nr * gpus "
-                "processes (gpus per node, not the number of nodes)")
+                f"{rank // gpus} gets (rank, world_size) {got}, not {want}: "
+                + _rank_hint(got, nodes, gpus, rank % gpus, rank // gpus))
     nodes, gpus = 2, 2  # 4 processes: test rank r plays local process r % 2 of node r // 2
     # then each in its own process, still without joining: a wrong rank would otherwise show
     # as two processes claiming it
