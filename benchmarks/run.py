@@ -13,8 +13,8 @@ within a round and the rounds give its 95% interval (``benchmarks/analysis.py``)
 ``independent`` control runs in the same rounds; the load of the machine is recorded around
 every launch, and results taken on a busy machine are marked "unreliable: machine busy". A
 method that fails or hangs is recorded with its error and the sweep goes on. On a CPU each
-rank runs pinned to a core of its own (``pin_rank``; ``--no-pin`` leaves it to the OS), and
-each round's ranks fork from a new server, so each round samples a new memory layout.
+rank runs pinned to a core of its own (``dpt.dist.pin_rank``; ``--no-pin`` leaves it to the
+OS), and each round's ranks fork from a new server, so each round samples a new memory layout.
 
 Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``results.csv``,
 ``summary.md`` and the PNG plots; ``benchmarks/runs/latest`` points at the last run with at
@@ -80,7 +80,7 @@ class Config:
     control_floor: float = 0.85  # the control's efficiency below which the machine was busy
     strong: bool = False
     threads_per_rank: int = 1
-    # CPU runs: each rank on cores of its own (pin_rank); --no-pin leaves it to the OS
+    # CPU runs: each rank on cores of its own (dpt.dist.pin_rank); --no-pin leaves it to the OS
     pin: bool = True
     # Each round's ranks fork from a new server, so each round samples a new memory layout
     # (dpt.testing.restart_fork_server); otherwise one layout would bias a whole run
@@ -109,34 +109,6 @@ def _peak_memory_mb(devices: list[torch.device]) -> tuple[float, str, dict]:
     return rss, "process peak RSS", {"cpu": rss}
 
 
-def pin_rank(local_rank: int, local_world_size: int, threads: int) -> list[int] | None:
-    """Bind this rank, and every thread it has or will start, to cores of its own.
-
-    Rank r gets cores [r*t, (r+1)*t) of those this process may use, t threads per rank, as
-    torch's CPU launcher does (``python -m torch.backends.xeon.run_cpu``). Left alone, the OS
-    moves threads between cores: a rank's gloo threads, waking to send its gradients, can land
-    on the other rank's core and stall its compute, and a synchronous step then waits for it.
-    Returns the cores, or None where it does not pin: more threads than cores, or no
-    ``sched_setaffinity`` (macOS, Windows).
-    """
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    if local_world_size * threads > len(allowed):
-        return None
-    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]  # gloo's threads exist already
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, mine)
-        except OSError:  # a thread that has just ended
-            pass
-    return mine
-
-
 def _timed(fn, steps: int, device) -> float:
     from dpt.device import synchronize
 
@@ -152,13 +124,12 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     """Runs on every rank inside an initialized process group (see dpt.testing)."""
     import torch.distributed as dist
 
-    from dpt.dist import rank_device
+    from dpt.dist import env_int, pin_rank, rank_device
 
     methods = load_all()
     m = methods[method_name]
     device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
-    cores = (pin_rank(int(os.environ.get("LOCAL_RANK", rank)),
-                      int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    cores = (pin_rank(env_int("LOCAL_RANK", rank), env_int("LOCAL_WORLD_SIZE", world_size),
                       cfg["threads_per_rank"]) if cfg.get("pin") and device.type == "cpu"
              else None)
     per_rank = cfg["batch_size"] // world_size if cfg["strong"] else cfg["batch_size"]

@@ -71,6 +71,34 @@ def set_threads(n: int) -> int:
     return n
 
 
+def pin_rank(local_rank: int, local_world_size: int, threads: int) -> list[int] | None:
+    """Bind this rank, and every thread it has or will start, to cores of its own.
+
+    Rank r gets cores [r*t, (r+1)*t) of those this process may use, t threads per rank, as
+    torch's CPU launcher does (``python -m torch.backends.xeon.run_cpu``). Left alone, the OS
+    moves threads between cores: a rank's gloo threads, waking to send its gradients, can land
+    on the other rank's core and stall its compute, and a synchronous step then waits for it.
+    Returns the cores, or None where it does not pin: more threads than cores, or no
+    ``sched_setaffinity`` (macOS, Windows).
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if local_world_size * threads > len(allowed):
+        return None
+    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]  # gloo's threads exist already
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, mine)
+        except OSError:  # a thread that has just ended
+            pass
+    return mine
+
+
 def env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:

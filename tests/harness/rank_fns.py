@@ -56,7 +56,7 @@ def pin_and_report(rank, world_size, threads):
     """Pin this rank as the benchmark does; report the cores of every thread it then has."""
     import threading
 
-    from benchmarks.run import pin_rank
+    from dpt.dist import pin_rank
 
     cores = pin_rank(rank, world_size, threads)
     later = threading.Thread(target=time.sleep, args=(0.5,))
