@@ -5,12 +5,14 @@
 - ``independent``: N ranks each training its own model, no communication at all. The ceiling
   data parallelism could reach on this machine: whatever it loses to ideal is the hardware
   (cores, memory bandwidth), not communication.
-- ``ddp_no_buffer_broadcast``: torch DDP with ``broadcast_buffers=False``, to show what the
-  per-forward broadcast of batch-norm buffers costs.
+- ``ddp_no_buffer_broadcast``: torch DDP without the per-forward broadcast of batch-norm buffers
+  (``forward_sync_buffers=False`` from torch 2.15, ``broadcast_buffers=False`` before), to show
+  what that broadcast costs.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
@@ -56,11 +58,23 @@ def independent(ctx: BenchContext):
     return lambda: optimizer_step(model, opt, batch)
 
 
+def no_forward_buffer_sync() -> dict:
+    """DDP's keyword that turns off the buffer broadcast at every forward.
+
+    torch 2.15 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old
+    name. The new one still syncs the buffers once at construction, which changes nothing
+    here: every rank builds the model from the same seed.
+    """
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 @method("ddp_no_buffer_broadcast",
-        "torch DDP with broadcast_buffers=False: no per-forward batch-norm buffer broadcast")
+        "torch DDP without the per-forward batch-norm buffer broadcast")
 def ddp_no_buffer_broadcast(ctx: BenchContext):
     model = ctx.model().to(ctx.device)
-    ddp = DDP(model, broadcast_buffers=False)
+    ddp = DDP(model, **no_forward_buffer_sync())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     batch = ctx.batch()
 

@@ -64,3 +64,28 @@ def pin_and_report(rank, world_size, threads):
     each = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
     later.join()
     return {"cores": cores, "threads": each}
+
+
+def buffer_after_forward(rank, world_size, keep_local):
+    """Rank 1 marks its batch-norm mean (1000) after DDP is built, then one training forward.
+
+    torch DDP broadcasts rank 0's buffers at every forward unless told not to, which would
+    replace the mark with rank 0's mean (near 0). Returns the mean and any warnings raised.
+    """
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.methods_core import no_forward_buffer_sync
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DDP(net, **(no_forward_buffer_sync() if keep_local else {}))
+    if rank == 1:
+        with torch.no_grad():
+            net[1].running_mean.fill_(1000.0)
+    ddp(torch.randn(8, 4))
+    return {"mean": net[1].running_mean.mean().item(),
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}

@@ -69,7 +69,7 @@ def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
     assert [c["nprocs"] for c in result["verdict"]["control"]] == [2]
     assert result["cost_model"]["bandwidth_Bps"] > 0
     run = tmp_path / "latest"
-    rows = list(csv.DictReader(open(run / "results.csv")))
+    rows = list(csv.DictReader((run / "results.csv").read_text().splitlines()))
     assert len(rows) == 4 and {"method", "nprocs", "samples_per_s", "speedup", "speedup_lo",
                                "speedup_hi", "reliability"} <= set(rows[0])
     for png in ("speedup.png", "efficiency.png", "throughput.png", "memory.png",
@@ -245,6 +245,21 @@ def test_each_rank_and_every_thread_it_has_are_pinned_to_a_core_of_its_own():
                             echo=False)
     assert all(r["cores"] is None for r in ranks)
     assert all(c == allowed for r in ranks for c in r["threads"].values())
+
+
+@pytest.mark.timeout(120)
+def test_the_no_buffer_broadcast_method_turns_off_ddps_per_forward_broadcast_without_a_warning():
+    from dpt.testing import run_distributed
+    from tests.harness import rank_fns
+
+    plain = run_distributed(rank_fns.buffer_after_forward, world_size=2, args=(False,),
+                            echo=False)
+    assert plain[1]["mean"] < 100  # the check can fail: default DDP overwrites rank 1's mark
+    kept = run_distributed(rank_fns.buffer_after_forward, world_size=2, args=(True,),
+                           echo=False)
+    assert kept[1]["mean"] > 100, "rank 0's buffers were broadcast at the forward"
+    # torch 2.15 renamed broadcast_buffers: the method must use the name this torch has.
+    assert not [w for r in kept for w in r["warnings"] if "deprecated" in w], kept
 
 
 def test_speedups_pair_rounds_and_carry_their_intervals():

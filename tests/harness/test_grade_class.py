@@ -104,7 +104,7 @@ def test_points_feed_the_gradebook_and_gradescope(tmp_path, monkeypatch):
     lesson = gc._finish({"08.1": failed, "08.2": entry}, {}, [], 2.0)
     result = gc.SubmissionResult(gc.Submission("ann", tmp_path), {"08": lesson})
     gc.write_gradebook(tmp_path / "book.csv", course, [result])
-    row = next(csv.DictReader(open(tmp_path / "book.csv")))
+    row = next(csv.DictReader((tmp_path / "book.csv").read_text().splitlines()))
     assert (row["08.1"], row["08.2"], row["total"], row["max"]) == ("0", "3", "3", "4")
     gs = gc.gradescope_results(course, result, None)
     assert gs["score"] == 3.0
@@ -181,7 +181,7 @@ def test_a_demo_class_grades_in_one_command(tmp_path):
          "--lesson-timeout", "150", "--mem-gb", "6", "--nproc", "64", "--no-progress"],
         cwd=course, env=env, capture_output=True, text=True, timeout=1150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {r["submission"]: r for r in csv.DictReader(open(out / "gradebook.csv"))}
+    rows = {r["submission"]: r for r in csv.DictReader((out / "gradebook.csv").read_text().splitlines())}
     assert set(rows) == set(EXPECTED)
     for name, (t1, t2, says) in EXPECTED.items():
         row = rows[name]

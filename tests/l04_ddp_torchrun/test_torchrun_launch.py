@@ -56,9 +56,9 @@ def _env(**extra) -> dict:
 
 
 def _start(args, log: Path, env=None) -> subprocess.Popen:
-    return subprocess.Popen([str(a) for a in args], stdout=open(log, "w"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, cwd=REPO, env=env or _env(),
-                            start_new_session=True)
+    with open(log, "w") as out:  # the child has its own copy of the descriptor
+        return subprocess.Popen([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO, env=env or _env(), start_new_session=True)
 
 
 def _wait(procs: dict[str, tuple[subprocess.Popen, Path]], timeout: float) -> dict[str, str]:
