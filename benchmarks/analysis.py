@@ -168,10 +168,12 @@ def summarize_record(rec: dict) -> None:
                    "cpus": cpus}
 
 
-def add_speedups(records: list[dict]) -> None:
-    """Speedup against the same method at N = 1 (or the control, or ``single``), paired by round.
+def speedup_pairs(records: list[dict]):
+    """Each record with a speedup, its reference, and their throughputs paired by round.
 
-    Sweep records (``sweep`` set) are paired with the sweep's N = 1 at the same batch.
+    The reference is the same method at N = 1 (or the control, or ``single``). Sweep records
+    (``sweep`` set) are paired with the sweep's N = 1 at the same batch. Yields
+    ``(record, reference, num, den)``.
     """
     def key(r):
         return (r["method"], r.get("sweep"))
@@ -187,8 +189,14 @@ def add_speedups(records: list[dict]) -> None:
         if ref is None:
             continue
         num, den = _paired(r, ref)
-        if not num:
-            continue
+        if num:
+            yield r, ref, num, den
+
+
+def add_speedups(records: list[dict]) -> None:
+    """Speedup against the same method at N = 1 (or the control, or ``single``), paired by
+    round (see ``speedup_pairs``)."""
+    for r, ref, num, den in list(speedup_pairs(records)):
         ci = ratio_ci(num, den)
         if ref is r:  # N = 1 against itself: exactly 1
             ci.update(value=1.0, lo=None, hi=None)

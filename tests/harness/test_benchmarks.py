@@ -496,3 +496,49 @@ def test_compare_counts_overlapping_intervals_and_leaves_busy_results_out(tmp_pa
     with pytest.raises(SystemExit) as bad:
         main([str(tmp_path / "missing"), str(tmp_path / "a")])
     assert bad.value.code == 2 and "error: cannot read" in capsys.readouterr().err
+
+
+def _rounds_run(stamp, **ratios):
+    """A run whose method m ran at N=1 at 100 samples/s and at N=2 at 100 x ratio in each
+    round; a method named ``busy_*`` is marked busy at N=2."""
+    from benchmarks.analysis import add_speedups
+
+    recs = []
+    for m, rs in ratios.items():
+        for n, thr in ((1, [100.0] * len(rs)), (2, [100.0 * x for x in rs])):
+            recs.append({"method": m, "nprocs": n, "status": "ok", "samples_per_s": thr[0],
+                         "rounds": [{"round": i, "status": "ok", "samples_per_s": t}
+                                    for i, t in enumerate(thr)],
+                         "reliability": BUSY if n == 2 and m.startswith("busy") else "ok"})
+    add_speedups(recs)
+    return {"stamp": stamp, "records": recs}
+
+
+def test_pooling_runs_takes_every_round_of_every_run_and_leaves_busy_ones_out(tmp_path, capsys):
+    from benchmarks.compare import main, pool
+
+    a = _rounds_run("A", ddp=[1.8, 1.9, 2.0], busy_naive=[2.5, 2.6])
+    b = _rounds_run("B", ddp=[1.7, 1.75], busy_naive=[1.6, 1.7])
+    rows = {r["method"]: r for r in pool([a, b])}
+    want = ratio_ci([180.0, 190.0, 200.0, 170.0, 175.0], [100.0] * 5)
+    assert rows["ddp"]["rounds"] == 5
+    assert rows["ddp"]["speedup"] == pytest.approx(want["value"])
+    assert (rows["ddp"]["lo"], rows["ddp"]["hi"]) == pytest.approx((want["lo"], want["hi"]))
+    # Rounds weigh alike, so the pool is not the mean of the two runs' own speedups.
+    own = [next(r["speedup"] for r in run["records"] if r["method"] == "ddp" and r["nprocs"] == 2)
+           for run in (a, b)]
+    assert len(rows["ddp"]["runs"]) == 2
+    assert rows["ddp"]["speedup"] != pytest.approx(sum(own) / 2, abs=1e-3)
+    assert rows["busy_naive"]["rounds"] == 0 and rows["busy_naive"]["left_out"] == ["A", "B"]
+    for name, run in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(run))
+    assert main(["--pool", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "Pooled over 2 runs" in out and "left out (busy): A, B" in out
+    line = next(x for x in out.splitlines() if x.startswith("| ddp |"))
+    assert "| 5 |" in line
+    # Comparing (not pooling) still takes exactly two runs, and says so in one line.
+    with pytest.raises(SystemExit) as bad:
+        main([str(tmp_path / "a")])
+    assert bad.value.code == 2 and "comparing takes two runs" in capsys.readouterr().err
