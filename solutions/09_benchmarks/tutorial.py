@@ -41,7 +41,10 @@ print("measured:", result["stamp"], "| scaling:", result["config"]["scaling"],
 # throughput at N = 1; efficiency divides the speedup by N. Each method runs in several
 # *rounds*, N = 1 and N = k back to back in each, so a speedup is a ratio taken within a round,
 # and the rounds give its 95% interval (in brackets). Two methods whose intervals overlap have
-# not been told apart.
+# not been told apart. That interval covers this run only: the next run lands its ranks on
+# other memory and other moments of a shared host. To check a figure against a target, run
+# the benchmark a few times and pool them: `python -m benchmarks.compare --pool RUN RUN ...`
+# takes every round of every run together (each ratio still paired within its round).
 #
 # The run also times a **control**, `independent`: N ranks that never communicate. On an idle
 # machine it reaches close to N times its N = 1 throughput. When it falls short, or a speedup
