@@ -98,6 +98,39 @@ def check_run(proc, what: str = "the script") -> None:
         raise RuntimeError(f"{what} exited with {proc.returncode}:\n{out}")
 
 
+# The lesson benchmarks (benchmarks/bench_lNN_*.py) write here; git ignores it.
+BENCH_RUNS = REPO_ROOT / "benchmarks" / "runs" / "lessons"
+# Their committed results, measured on the course's 2-core CPU: shown until you have your own.
+BENCH_REFERENCE = REPO_ROOT / "benchmarks" / "reference" / "lessons"
+
+
+def bench_result(name: str) -> Path:
+    """A lesson benchmark's result file (``"l06_precision.json"``), after a line saying whose.
+
+    Yours from ``benchmarks/runs/lessons/`` once you have run the lesson's benchmark script,
+    until then the committed reference from ``benchmarks/reference/lessons/``.
+    ``DPT_BENCH_SHOW=reference`` shows the reference even when you have your own (the website
+    does). Raises FileNotFoundError, naming both places, when neither has it.
+    """
+    mine, reference = BENCH_RUNS / name, BENCH_REFERENCE / name
+    if os.environ.get("DPT_BENCH_SHOW") != "reference" and mine.is_file():
+        print(f"{name}: your run, {_shown(mine)}")
+        return mine
+    if not reference.is_file():
+        raise FileNotFoundError(f"{name} is in neither {BENCH_RUNS} nor {BENCH_REFERENCE}")
+    stem = Path(name).stem
+    scripts = [p for p in sorted((REPO_ROOT / "benchmarks").glob("bench_*.py"))
+               if stem.startswith(p.stem.removeprefix("bench_"))]
+    how = f"`python {_shown(scripts[0])}` measures yours" if scripts else "yours goes to " + str(
+        _shown(BENCH_RUNS))
+    print(f"{name}: the committed reference, measured on the course's 2-core CPU; {how}")
+    return reference
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+
+
 @contextlib.contextmanager
 def needs_tasks():
     """Run a notebook cell; when it reaches a task not done yet, say which one and move on.

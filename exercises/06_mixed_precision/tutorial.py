@@ -15,7 +15,7 @@
 # | 06.4 | `apex_amp.check_opt_level` | catch `'01'` (digit zero) for `'O1'` (letter O) |
 
 # %%
-from dpt.notebook import needs_tasks, use_lesson
+from dpt.notebook import bench_result, needs_tasks, use_lesson
 
 use_lesson("06_mixed_precision")
 
@@ -348,22 +348,17 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    from dpt.data import REPO_ROOT
-
-    result_file = REPO_ROOT / "benchmarks" / "results" / "l06_precision.json"
-    if result_file.exists():
-        res = json.loads(result_file.read_text())
-        print("CPU:", res["cpu"]["model"], "| flags:", res["cpu"]["relevant_flags"])
-        for k, v in res["ratios"].items():
-            print(f"  {k}: {v}")
-    else:
-        print("run `python benchmarks/bench_l06_precision.py` to measure this machine")
+    res = json.loads(bench_result("l06_precision.json").read_text())
+    print("CPU:", res["cpu"]["model"], "| flags:", res["cpu"]["relevant_flags"])
+    for k, v in res["ratios"].items():
+        print(f"  {k}: {v}")
 
 # %% [markdown]
-# On this CPU (no AMX, no AVX512-BF16) bf16 is *slower* than fp32: the bf16 kernels convert
-# to fp32 and back around every op, and the bf16 memory savings on this model are a few
-# hundred kilobytes of activations. On a CPU with AMX (Sapphire Rapids and newer), oneDNN runs
-# bf16 convs and matmuls on the tile units and bf16 helps.
+# On a CPU without AMX or AVX512-BF16 (the flags above), such as the one the reference was
+# measured on, bf16 is *slower* than fp32: the bf16 kernels convert to fp32 and back around
+# every op, and the bf16 memory savings on this model are a few hundred kilobytes of
+# activations. On a CPU with AMX (Sapphire Rapids and newer), oneDNN runs bf16 convs and
+# matmuls on the tile units and bf16 helps.
 #
 # On GPUs the AMP recipe promises 2-3x from tensor cores, for *large* models. A tiny CNN like
 # ours sees far less, because that 2-3x applies only to the time spent inside big matmuls and

@@ -17,7 +17,7 @@
 # | 07.6 | `lit_migration.migrate_trainer_kwargs` | 1.x `Trainer` kwargs to 2.x |
 
 # %%
-from dpt.notebook import check_run, needs_tasks, script_env, use_lesson
+from dpt.notebook import bench_result, check_run, needs_tasks, script_env, use_lesson
 
 use_lesson("07_lightning")
 
@@ -211,23 +211,15 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    from pathlib import Path
-
-    results = Path(lit_fashion.__file__).resolve().parents[2] / "benchmarks" / "results"
-    runs = {"MLP, batch 64": results / "l07_lightning_vs_raw.json",
-            "ConvNet, batch 128": results / "l07_lightning_vs_raw_convnet.json"}
-    runs = {name: json.loads(f.read_text()) for name, f in runs.items() if f.exists()}
-    runs = {name: r for name, r in runs.items() if "median_step_ms" in r}
-    if runs:
-        fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False)
-        for ax, (name, r) in zip(axes.flat, runs.items()):
-            ms = r["median_step_ms"]
-            ax.bar(["raw DDP loop", "Lightning ddp"], [ms["raw"], ms["lightning"]])
-            ax.set_title(f"{name}: Lightning {r['median_step_ratio']:.2f}x per step,\n"
-                         f"{r['lightning_throughput_ratio']:.2f}x per epoch", fontsize=9)
-            ax.set_ylabel("median ms per step")
-        plt.tight_layout()
-        plt.show()
-    else:
-        print("run `python benchmarks/bench_l07_lightning_vs_raw.py` to measure; figures are in "
-              "this lesson's README")
+    runs = {"MLP, batch 64": "l07_lightning_vs_raw.json",
+            "ConvNet, batch 128": "l07_lightning_vs_raw_convnet.json"}
+    runs = {name: json.loads(bench_result(f).read_text()) for name, f in runs.items()}
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.2), squeeze=False)
+    for ax, (name, r) in zip(axes.flat, runs.items()):
+        ms = r["median_step_ms"]
+        ax.bar(["raw DDP loop", "Lightning ddp"], [ms["raw"], ms["lightning"]])
+        ax.set_title(f"{name}: Lightning {r['median_step_ratio']:.2f}x per step,\n"
+                     f"{r['lightning_throughput_ratio']:.2f}x per epoch", fontsize=9)
+        ax.set_ylabel("median ms per step")
+    plt.tight_layout()
+    plt.show()

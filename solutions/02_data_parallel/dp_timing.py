@@ -26,7 +26,7 @@ Run it::
 
     .venv/bin/python solutions/02_data_parallel/dp_timing.py                       # CPU: N = cores
     .venv/bin/python solutions/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
-    .venv/bin/python solutions/02_data_parallel/dp_timing.py --out benchmarks/results/l02_dp_timing
+    .venv/bin/python solutions/02_data_parallel/dp_timing.py --out benchmarks/runs/lessons/l02_dp_timing
 """
 
 from __future__ import annotations

@@ -27,12 +27,11 @@
 # with `dpt.testing.run_distributed`: free port, gloo, one thread per rank, hard timeout.
 
 # %%
-from dpt.notebook import needs_tasks, use_lesson
+from dpt.notebook import bench_result, needs_tasks, use_lesson
 
 use_lesson("05_ddp_from_scratch")
 
 import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 
@@ -174,20 +173,16 @@ with needs_tasks():
 # per bucket removes the allocation; making `.grad` a view into it
 # (`gradient_as_bucket_view=True`) removes both copies, and one copy of the gradients' memory.
 # `benchmarks/bench_l05_bucket_buffers.py` counts what each does per step and times them side
-# by side; the cell below reads its committed result.
+# by side; the cell below reads its result (the committed one until you run the script).
 
 # %%
 with needs_tasks():
-    buffers_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_bucket_buffers.json"
-    if buffers_file.exists():
-        bb = json.loads(buffers_file.read_text())
-        print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
-        for name, r in bb["summary"].items():
-            print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
-                  f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
-                  f"{r['time_vs_cat_median']:.3f} [{r['time_vs_cat_min']:.3f}, {r['time_vs_cat_max']:.3f}]")
-    else:
-        print("run `python benchmarks/bench_l05_bucket_buffers.py` to measure")
+    bb = json.loads(bench_result("l05_bucket_buffers.json").read_text())
+    print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
+    for name, r in bb["summary"].items():
+        print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
+              f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
+              f"{r['time_vs_cat_median']:.3f} [{r['time_vs_cat_min']:.3f}, {r['time_vs_cat_max']:.3f}]")
 
 # %% [markdown]
 # ## 5. `no_sync()`
@@ -215,15 +210,10 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    result_file = Path(bucketed_ddp.__file__).resolve().parents[2] / "benchmarks" / "results" / "l05_scratch_vs_torch.json"
-    if result_file.exists():
-        speed = json.loads(result_file.read_text())
-        for name, r in speed["summary"].items():
-            print(f"{name:9s} compute {r['compute_s'] * 1e3:6.1f} ms, communication + waiting "
-                  f"{r['comm_s'] * 1e3:5.1f} ms: compute is {r['compute_s'] / max(r['comm_s'], 1e-9):4.0f}x "
-                  "as long")
-        scratch_demo.plot_step_split(speed)
-        plt.show()
-    else:
-        print("run `python benchmarks/bench_l05_scratch_vs_torch.py` to measure; figures are in "
-              "this lesson's README")
+    speed = json.loads(bench_result("l05_scratch_vs_torch.json").read_text())
+    for name, r in speed["summary"].items():
+        print(f"{name:9s} compute {r['compute_s'] * 1e3:6.1f} ms, communication + waiting "
+              f"{r['comm_s'] * 1e3:5.1f} ms: compute is {r['compute_s'] / max(r['comm_s'], 1e-9):4.0f}x "
+              "as long")
+    scratch_demo.plot_step_split(speed)
+    plt.show()

@@ -17,7 +17,7 @@
 # | 08.5 | `fsdp2_train.full_state_dict` | gather a full state dict onto rank 0 |
 
 # %%
-from dpt.notebook import needs_tasks, use_lesson
+from dpt.notebook import bench_result, needs_tasks, use_lesson
 
 use_lesson("08_sharding")
 
@@ -207,12 +207,6 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    from pathlib import Path
-
     from IPython.display import Image, display
 
-    plot = Path(acc.__file__).resolve().parents[2] / "benchmarks" / "results" / "l08_memory.png"
-    if plot.exists():
-        display(Image(filename=str(plot)))
-    else:
-        print("run `python benchmarks/bench_l08_memory.py` to measure and draw it")
+    display(Image(filename=str(bench_result("l08_memory.png"))))
