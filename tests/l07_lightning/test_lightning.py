@@ -265,7 +265,6 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
 
 
 @requires_data
-@pytest.mark.slow
 @pytest.mark.timeout(330)
 @pytest.mark.task("07.5")
 def test_fabric_trains_on_two_cpu_processes():
