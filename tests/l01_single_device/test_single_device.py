@@ -102,6 +102,17 @@ def test_evaluate_uses_eval_mode_and_restores_training_mode(sd):
         torch.testing.assert_close(v, before[k], msg=f"{k} changed during evaluation")
 
 
+@pytest.mark.task("01.2")
+def test_evaluate_leaves_an_eval_mode_model_in_eval_mode(sd):
+    model = ConvNet().eval()  # as a notebook cell or an earlier evaluate() leaves it
+    x, y = _batch(8)
+    sd.evaluate(model, TensorLoader(x, y, batch_size=4), CPU)
+    assert not model.training, (
+        "evaluate switched a model that was in eval mode to training mode: put back the mode "
+        "it was in (was_training = model.training ... model.train(was_training)), not "
+        "model.train()")
+
+
 @pytest.mark.task("01.3")
 def test_checkpoint_round_trip_into_a_fresh_model(sd, tmp_path):
     torch.manual_seed(0)
@@ -133,6 +144,36 @@ def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path):
     assert not prefixed, (f"the checkpoint's keys start with 'module.' ({prefixed[0]}, ...): save "
                           f"the wrapped model's .module, so it loads into a plain model")
     sd.load_checkpoint(tmp_path / "ck.pt", ConvNet())  # loads into a plain model
+
+
+@pytest.mark.task("01.3")
+def test_checkpoint_loads_into_a_wrapped_model_s_module(sd, tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet()
+    sd.save_checkpoint(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    wrapped = nn.DataParallel(ConvNet())  # later lessons load into a DDP-wrapped model
+    try:
+        sd.load_checkpoint(tmp_path / "ck.pt", wrapped)
+    except RuntimeError as exc:
+        pytest.fail("load_checkpoint into a wrapped model (DataParallel, DDP) must load into its "
+                    ".module: the checkpoint's keys have no 'module.' prefix, the wrapper's do "
+                    f"({str(exc).splitlines()[0][:120]})")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(wrapped.module.state_dict()[k], v,
+                                   msg=f"{k} was not loaded into the wrapper's .module")
+
+
+@pytest.mark.task("01.3")
+def test_load_checkpoint_puts_the_tensors_on_the_device_it_is_given(sd, tmp_path):
+    model = ConvNet()
+    sd.save_checkpoint(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    meta = torch.device("meta")  # a device other than the CPU that every machine has
+    state = sd.load_checkpoint(tmp_path / "ck.pt", ConvNet().to(meta), None, meta)
+    where = {str(v.device) for v in state["model"].values()}
+    assert where == {"meta"}, (
+        f"load_checkpoint(..., device=meta) returned tensors on {sorted(where)}: load with "
+        "map_location=device, so the tensors land where the model is (a GPU's checkpoint "
+        "onto this rank's GPU, or onto the CPU)")
 
 
 @pytest.mark.task("01.3")

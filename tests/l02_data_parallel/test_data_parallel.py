@@ -226,14 +226,15 @@ def test_broadcast_backward_sums_the_replicas_gradients_onto_the_root(dbh, n):
 class _Meet(nn.Module):
     """Forward waits until every replica is inside forward: only passes if they run together."""
 
-    def __init__(self, barrier, scale):
+    def __init__(self, barrier, scale, delay=0.0):
         super().__init__()
-        self.barrier, self.scale = barrier, scale
+        self.barrier, self.scale, self.delay = barrier, scale, delay
 
     def forward(self, x):
         self.thread = threading.get_ident()
         self.barrier.wait(timeout=10)
         self.grad_mode = torch.is_grad_enabled()
+        time.sleep(self.delay)  # the later replicas finish first
         return x * self.scale
 
 
@@ -242,14 +243,15 @@ class _Meet(nn.Module):
 @pytest.mark.parametrize("n", [2, 3])
 def test_parallel_apply_runs_replicas_at_once_and_keeps_the_order(dbh, n):
     barrier = threading.Barrier(n)
-    replicas = [_Meet(barrier, k + 1.0) for k in range(n)]
+    replicas = [_Meet(barrier, k + 1.0, delay=0.1 * (n - 1 - k)) for k in range(n)]
     inputs = [torch.full((2,), 10.0 * k) for k in range(n)]
     try:
         outs = dbh.parallel_apply(replicas, inputs)
     except threading.BrokenBarrierError:
         pytest.fail("replicas did not run concurrently (one thread per replica)")
     for k, o in enumerate(outs):
-        torch.testing.assert_close(o, inputs[k] * (k + 1.0), msg="outputs must keep input order")
+        torch.testing.assert_close(o, inputs[k] * (k + 1.0), msg="outputs must keep input "
+                                   "order, not the order the replicas finish in")
     assert len({r.thread for r in replicas}) == n
 
 
@@ -311,6 +313,36 @@ def test_forward_composes_the_four_steps(dbh, monkeypatch, n, b):
     torch.testing.assert_close(out, single(x), msg=lambda m: "forward must return the gathered "
                                f"outputs of every chunk, in order\n{m}")
     _assert_same_grads(model, single)
+
+
+class _CountThreads(nn.Module):
+    """Records torch's intra-op thread count every time it runs (replicas share the list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.threads_seen = []
+
+    def forward(self, x):
+        self.threads_seen.append(torch.get_num_threads())
+        return self.lin(x)
+
+
+@pytest.mark.task("02.6")
+def test_forward_runs_the_replicas_with_threads_per_replica_threads(dbh, monkeypatch):
+    _patch(monkeypatch, dbh)  # the reference primitives run the replicas in this thread
+    model = _CountThreads()
+    before = torch.get_num_threads()
+    want = before + 1  # any count but the current one
+    dbh.DataParallelByHand(model, n_replicas=2, threads_per_replica=want)(torch.randn(4, 4))
+    assert model.threads_seen, "forward never ran the model"
+    assert set(model.threads_seen) == {want}, (
+        f"the replicas ran with {sorted(set(model.threads_seen))} intra-op thread(s), not "
+        f"threads_per_replica={want}: run parallel_apply inside "
+        "intra_op_threads(self.threads_per_replica), or N replicas oversubscribe the cores")
+    assert torch.get_num_threads() == before, (
+        "forward left torch's thread count changed: set it only inside the block "
+        "(intra_op_threads restores it)")
 
 
 @pytest.mark.task("02.6")
@@ -420,6 +452,17 @@ def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_pa
         dp_mod.load_plain(tmp_path / "missing.pt", plain)
 
 
+@pytest.mark.task("02.8")
+def test_load_plain_loads_onto_its_map_location(dp_mod, tmp_path):
+    path = dp_mod.save_plain(_model("convnet"), tmp_path / "dp.pt", epoch=1)
+    meta = torch.device("meta")  # a device other than the CPU that every machine has
+    state = dp_mod.load_plain(path, ConvNet(batch_norm=False).to(meta), map_location=meta)
+    where = {str(v.device) for v in state["model"].values()}
+    assert where == {"meta"}, (
+        f"load_plain(..., map_location=meta) returned tensors on {sorted(where)}: pass "
+        "map_location on to the load, so a GPU's checkpoint can be read where it is wanted")
+
+
 @requires_data
 @pytest.mark.slow
 @pytest.mark.task("02.7")
@@ -494,6 +537,30 @@ def test_timing_warms_up_synchronizes_and_takes_the_median(timing, monkeypatch):
         f"median {secs:.3f} s, expected 0.020: warm-up calls were timed, the mean was taken "
         "instead of the median, or the clock was read before synchronize(device)")
     assert not any(fake.grad_modes), "inference is timed under torch.no_grad()"
+
+
+@pytest.mark.task("02.9")
+@pytest.mark.timeout(60)
+def test_timing_synchronizes_before_starting_the_clock_and_reports_the_middle_time(
+        timing, monkeypatch):
+    for name in ("perf_counter", "monotonic", "time"):
+        monkeypatch.setattr(time, name, lambda: fake.clock())
+    # two slow warm-up calls still queued when the one timed call (20 ms) starts
+    fake = _AsyncDevice([0.2, 0.2, 0.02])
+    monkeypatch.setattr(timing, "synchronize", fake.synchronize)
+    secs = timing.time_forward(fake.model, torch.zeros(1), "cpu", warmup=2, repeats=1)
+    assert secs == pytest.approx(0.02), (
+        f"one 20 ms call timed as {1000 * secs:.0f} ms: the clock was started before "
+        "synchronize(device), so work still queued (here the warm-up's) was timed too; "
+        "synchronize before reading the clock as well as after")
+    # no warm-up; five calls of 30, 10, 500, 20 and 20 ms: the median is 20 ms
+    fake = _AsyncDevice([0.03, 0.01, 0.5, 0.02, 0.02])
+    monkeypatch.setattr(timing, "synchronize", fake.synchronize)
+    secs = timing.time_forward(fake.model, torch.zeros(1), "cpu", warmup=0, repeats=5)
+    monkeypatch.undo()
+    assert secs == pytest.approx(0.02), (
+        f"{1000 * secs:.0f} ms for calls of 30, 10, 500, 20 and 20 ms: return the median "
+        "(20 ms), not the fastest call or the mean")
 
 
 @pytest.mark.slow

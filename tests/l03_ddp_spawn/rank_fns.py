@@ -23,10 +23,11 @@ def _mod():
     return load(LESSON, "ddp_spawn")
 
 
-def setup_ranks_without_joining(rank, world_size, nodes, gpus):
+def setup_ranks_without_joining(rank, world_size, nodes, gpus, timeout=60.0, threads=None):
     """As :func:`setup_as_node_process`, but the lesson's ``setup`` (dpt.dist's, imported into
     the lesson module) is replaced here by one that only records the rank and world size it is
-    given: a wrong rank then fails by name, not as a rendezvous of two rank 0s."""
+    given: a wrong rank then fails by name, not as a rendezvous of two rank 0s. ``call`` holds
+    every argument ``setup`` got (defaults filled in)."""
     import inspect
 
     mod = _mod()
@@ -35,17 +36,20 @@ def setup_ranks_without_joining(rank, world_size, nodes, gpus):
     def record(*args, **kwargs):
         bound = inspect.signature(real).bind(*args, **kwargs)
         seen["joined"] = (bound.arguments.get("rank"), bound.arguments.get("world_size"))
+        bound.apply_defaults()
+        seen["call"] = dict(bound.arguments)
         return torch.device("cpu")
 
     real = mod.setup
     mod.setup = record
     try:
-        args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=60.0,
-                         threads=None)
+        args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=timeout,
+                         threads=threads)
         got_rank, got_world, _ = mod.ddp_setup(rank % gpus, args)
     finally:
         mod.setup = real
-    return {"joined": seen.get("joined"), "returned": (got_rank, got_world)}
+    return {"joined": seen.get("joined"), "returned": (got_rank, got_world),
+            "call": seen.get("call")}
 
 
 def setup_as_node_process(rank, world_size, nodes, gpus):
@@ -153,7 +157,42 @@ def evaluate_counts(rank, world_size, x, y):
     model = ConvNet().to(rank_device())
     model.train()
     sampler = DistributedSampler(range(len(x)), shuffle=False)
-    counts = mod.evaluate(model, TensorLoader(x, y, batch_size=16, sampler=sampler),
-                          rank_device())
-    return {"counts": counts, "training_after": model.training}
+    loader = TensorLoader(x, y, batch_size=16, sampler=sampler)
+    counts = mod.evaluate(model, loader, rank_device())
+    training_after = model.training
+    model.eval()  # and a model that was in eval mode stays in eval mode
+    again = mod.evaluate(model, loader, rank_device())
+    return {"counts": counts, "training_after": training_after, "again": again,
+            "eval_after": not model.training}
+
+
+def run_leaves_the_group(rank, world_size, fail):
+    """The lesson's ``run`` (one spawned process) with a stand-in for the training: whether it
+    returns or raises, the process must have left the process group afterwards."""
+    import dpt.cli
+
+    mod = _mod()
+
+    def fake_train_and_evaluate(*args, **kwargs):
+        if fail:
+            raise RuntimeError("training failed on purpose")
+        return {"accuracy": 1.0}
+
+    real = dpt.cli.train_and_evaluate
+    dpt.cli.train_and_evaluate = fake_train_and_evaluate
+    args = Namespace(nodes=1, gpus=world_size, nr=0, device="cpu", timeout=60.0, threads=1,
+                     checkpoint=None, resume=None)
+    raised = None
+    try:
+        mod.run(rank, args)
+    except RuntimeError as exc:
+        if str(exc) != "training failed on purpose":
+            raise  # another failure (the stubs' NotImplementedError): the test shows it
+        raised = str(exc)
+    finally:
+        dpt.cli.train_and_evaluate = real
+    left = not dist.is_initialized()
+    if not left:  # leave anyway, so that the helper does not hang on a half-closed group
+        dist.destroy_process_group()
+    return {"left": left, "raised": raised}
 

@@ -89,6 +89,32 @@ def test_every_process_finds_its_global_rank_and_joins_one_group():
             f"oversubscribe {cpu_budget()} cores")
 
 
+@pytest.mark.task("03.1")
+def test_ddp_setup_passes_this_machine_s_layout_and_the_flags_to_setup():
+    nodes, gpus = 2, 3
+    rank = 5  # local process 2 of node 1
+    info = rank_fns.setup_ranks_without_joining(rank, nodes * gpus, nodes, gpus, timeout=37.0,
+                                                threads=1)
+    call = info["call"]
+    assert call is not None, "ddp_setup must join through dpt.dist.setup"
+    assert call["rank"] == rank and call["world_size"] == nodes * gpus, (
+        f"setup got (rank, world_size) ({call['rank']}, {call['world_size']}), not "
+        f"({rank}, {nodes * gpus})")
+    assert call["local_rank"] == rank % gpus, (
+        f"local process {rank % gpus} of node 1 passed local_rank={call['local_rank']} to "
+        "setup: pass the process's place on its own machine (it picks the GPU: this machine "
+        f"has GPUs 0..{gpus - 1}), not the global rank")
+    assert call["local_world_size"] == gpus, (
+        f"setup got local_world_size={call['local_world_size']}, not {gpus}: the processes "
+        "sharing this machine (args.gpus) split its CPU cores, not the whole world's")
+    assert str(call["device"]) == "cpu", (
+        f"--device cpu reached setup as {call['device']!r}: pass args.device on")
+    assert call["timeout_s"] == 37.0, (
+        f"--timeout 37 reached setup as timeout_s={call['timeout_s']}: pass args.timeout on")
+    assert call["threads"] == 1, (
+        f"--threads 1 reached setup as threads={call['threads']}: pass args.threads on")
+
+
 # ------------------------------------------------------------------ 03.2 the data loader
 
 
@@ -98,7 +124,10 @@ def test_each_rank_gets_its_own_shuffled_share():
     n = 40
     shards = run_distributed(rank_fns.loader_orders, WS, args=(n, 4, True, 0), timeout=60)
     first = [sum(orders[0], []) for orders in shards]
-    assert all(len(s) == n // WS for s in first), [len(s) for s in first]
+    assert all(len(s) == n // WS for s in first), (
+        f"with {n} samples on {WS} ranks the ranks got {[len(s) for s in first]} samples each, "
+        f"not {n // WS}: a DistributedSampler over every rank (its defaults read the rank and "
+        "world size from the process group) gives each rank its own share")
     assert all(len(b) == 4 for orders in shards for b in orders[0]), "batch size ignored"
     assert not set(first[0]) & set(first[1]), "the ranks see overlapping data"
     assert sorted(first[0] + first[1]) == list(range(n)), "some samples are never seen"
@@ -197,6 +226,11 @@ def test_accuracy_counts_the_whole_test_set_once():
         assert counts == expected, (
             f"rank {rank} reports {counts}, the whole test set gives {expected}")
         assert r["training_after"], "evaluate must restore training mode"
+        assert tuple(int(c) for c in r["again"]) == expected, (
+            f"rank {rank}: a second evaluate gives {r['again']}, not {expected}")
+        assert r["eval_after"], (
+            "evaluate switched a model that was in eval mode to training mode: put back the "
+            "mode it was in (model.train(was_training)), not model.train()")
 
 
 # ------------------------------------------------------------------ DDP itself (not a task)
@@ -223,6 +257,21 @@ def test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b():
         for rank, state in enumerate(states):
             torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5,
                                        msg=f"rank {rank}, {k}: DDP differs from batch 2B")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_each_process_leaves_the_group_when_run_ends(fail):
+    results = run_distributed(rank_fns.run_leaves_the_group, WS, args=(fail,), backend=None,
+                              timeout=100)
+    for rank, r in enumerate(results):
+        if fail:
+            assert r["raised"] == "training failed on purpose", (
+                f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
+        assert r["left"], (
+            f"rank {rank} was still in the process group after run() "
+            f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
+            "finally block, so the process leaves the group whatever happens")
 
 
 # ------------------------------------------------------------------ the launch checks

@@ -124,6 +124,38 @@ def resume_from_snapshot(rank, world_size, path):
             "end": {k: v.detach().cpu() for k, v in trainer.model.module.named_parameters()}}
 
 
+def run_leaves_the_group(rank, world_size, fail):
+    """The lesson's ``run`` (one torchrun worker) with a stand-in for the training: whether it
+    returns or raises, the process must have left the process group afterwards."""
+    from argparse import Namespace
+
+    import dpt.cli
+
+    mod = _mod()
+
+    def fake_train_and_evaluate(*args, **kwargs):
+        if fail:
+            raise RuntimeError("training failed on purpose")
+        return {"accuracy": 1.0}
+
+    real = dpt.cli.train_and_evaluate
+    dpt.cli.train_and_evaluate = fake_train_and_evaluate
+    args = Namespace(device="cpu", timeout=60.0, threads=1, snapshot=None)
+    raised = None
+    try:
+        mod.run(args)
+    except RuntimeError as exc:
+        if str(exc) != "training failed on purpose":
+            raise  # another failure (the stubs' NotImplementedError): the test shows it
+        raised = str(exc)
+    finally:
+        dpt.cli.train_and_evaluate = real
+    left = not dist.is_initialized()
+    if not left:  # leave anyway, so that the helper does not hang on a half-closed group
+        dist.destroy_process_group()
+    return {"left": left, "raised": raised}
+
+
 def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:
     """Child process: write snapshot epoch 1, then start epoch 2's and stall half-written.
 

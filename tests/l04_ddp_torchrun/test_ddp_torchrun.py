@@ -46,7 +46,12 @@ def test_torchrun_env_defaults_and_reads_os_environ(mod, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    env = mod.torchrun_env()
+    try:
+        env = mod.torchrun_env()
+    except KeyError as exc:
+        pytest.fail(f"torchrun_env needs {exc} when only RANK, LOCAL_RANK and WORLD_SIZE are "
+                    "set: LOCAL_WORLD_SIZE defaults to WORLD_SIZE and "
+                    "TORCHELASTIC_RESTART_COUNT to 0 (env.get(name, default))")
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size,
             env.restart_count) == (1, 1, 2, 2, 0)
 
@@ -60,10 +65,16 @@ def test_torchrun_env_without_torchrun_says_so(mod, drop):
 
 
 @pytest.mark.task("04.1")
-@pytest.mark.parametrize("change", [{"RANK": "4"}, {"RANK": "-1"}, {"LOCAL_RANK": "2"}])
+@pytest.mark.parametrize("change", [{"RANK": "4"}, {"RANK": "-1"}, {"LOCAL_RANK": "2"},
+                                    {"LOCAL_RANK": "-1"}])
 def test_torchrun_env_rejects_ranks_out_of_range(mod, change):
-    with pytest.raises(mod.LaunchError):
-        mod.torchrun_env({**ENV, **change})
+    try:
+        env = mod.torchrun_env({**ENV, **change})
+    except mod.LaunchError:
+        return
+    pytest.fail(f"{change} (with {ENV}) was accepted as {env}: RANK must lie in "
+                "0..WORLD_SIZE-1 and LOCAL_RANK in 0..LOCAL_WORLD_SIZE-1 (both bounds), "
+                "else raise LaunchError")
 
 
 # ------------------------------------------------------------------ 04.2 gather_rng_states
@@ -195,6 +206,11 @@ def test_a_snapshot_from_another_world_size_resumes_but_not_exactly(mod, tmp_pat
         "a snapshot written by 4 ranks, loaded by 1, was called exact: compare the snapshot's "
         "world_size with get_world_size(), and restore the random states only when they match")
     assert res["info"]["epoch"] == 4, f"resumed at epoch {res['info']['epoch']}, not the snapshot's 4"
+    untouched = torch.rand(4, generator=torch.Generator().manual_seed(777))  # the rank's own
+    assert torch.equal(res["draw"], untouched), (
+        "a snapshot written by 4 ranks, loaded by 1, replaced this rank's random state with "
+        "one of the writers': restore the random states only when the world size matches "
+        "(with fewer writers than ranks, state['rng'][rank] does not even exist)")
 
 
 @pytest.mark.task("04.4")
@@ -243,6 +259,24 @@ def test_a_resumed_run_replays_the_snapshots_data_order(resumed):
         expected.set_epoch(1)
         assert res["passes"][0][1] == list(expected), (
             "the data order is not the snapshot's: restore the sampler's seed from it")
+
+
+# ------------------------------------------------------------------ leaving (not a task)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_each_worker_leaves_the_group_when_run_ends(fail):
+    results = run_distributed(rank_fns.run_leaves_the_group, 2, args=(fail,), backend=None,
+                              timeout=100)
+    for rank, r in enumerate(results):
+        if fail:
+            assert r["raised"] == "training failed on purpose", (
+                f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
+        assert r["left"], (
+            f"rank {rank} was still in the process group after run() "
+            f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
+            "finally block, so the worker leaves the group whatever happens")
 
 
 # ------------------------------------------------------------------ the CLI (not a task)
