@@ -178,7 +178,7 @@ def test_a_demo_class_grades_in_one_command(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tools.grade_class", str(subs), "--out", str(out),
          "--lessons", "08", "--tasks", "08.1,08.2", "--jobs", "2", "--test-timeout", "15",
-         "--lesson-timeout", "150", "--mem-gb", "6", "--nproc", "64", "--no-progress"],
+         "--lesson-timeout", "200", "--mem-gb", "6", "--nproc", "64", "--no-progress"],
         cwd=course, env=env, capture_output=True, text=True, timeout=1150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["submission"]: r for r in csv.DictReader((out / "gradebook.csv").read_text().splitlines())}

@@ -599,3 +599,34 @@ def ring_rank(rank, world_size, shapes):
     ring_all_reduce(view)
     results.append((torch.all(base == sum(range(1, world_size + 1))).item(), True, True))
     return results
+
+
+def broadcast_nested_buffers(rank, world_size, task=None):
+    """``broadcast_state(module, src=0)`` on a model whose buffers all sit in submodules
+    (batch norm's running statistics, as in any real network): every rank's state after it."""
+    apply_patches(parts_except("naive", task))
+    torch.manual_seed(rank)
+    module = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Sequential(nn.BatchNorm1d(HIDDEN)))
+    module = module.double().to(device())
+    bn = module[1][0]
+    with torch.no_grad():  # rank-dependent statistics: only a broadcast makes them equal
+        bn.running_mean.copy_(torch.randn(HIDDEN, dtype=torch.float64))
+        bn.running_var.copy_(torch.rand(HIDDEN, dtype=torch.float64) + 0.5)
+        bn.num_batches_tracked.fill_(10 + rank)
+    load(LESSON, "ddp_base").broadcast_state(module, src=0)
+    return _cpu_state(module)
+
+
+def mean_of_known_gradients(rank, world_size, variant, task=None, bucket_cap_mb=25.0,
+                            as_view=False):
+    """One backward whose gradient is ``rank + 1`` in every trainable element, then the
+    wrapper's sync: every gradient must come out as the mean over ranks, (world_size + 1) / 2.
+
+    Run with 3 ranks, so dividing by a hard-coded 2 (the world size of the other tests)
+    gives 3.0 instead of 2.0. Returns this rank's gradients after the sync."""
+    apply_patches(parts_except(variant, task))
+    module = build("toy", seed=0)
+    model = wrap(variant, module, bucket_cap_mb, as_view)
+    sum((rank + 1.0) * p.sum() for p in model.params).backward()
+    model.finish_gradient_synchronization()
+    return _grads(module)

@@ -555,3 +555,57 @@ def test_each_fitted_line_has_its_points_colour_and_a_legend_entry(monkeypatch):
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert len(legend) == 4 and sum("fitted" in t for t in legend) == 2, legend
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- more than two ranks
+@pytest.mark.task("05.2")
+def test_broadcast_state_reaches_the_buffers_of_submodules():
+    """Batch norm's running statistics live in a submodule: ``module.buffers(recurse=False)``
+    (or a walk over the root's own ``_buffers``) leaves them different on every rank."""
+    results = run_distributed(rf.broadcast_nested_buffers, world_size=2, kwargs={"task": "05.2"},
+                              timeout=30)
+    for key, value in results[0].items():
+        assert torch.equal(results[1][key], value), (
+            f"rank 1's {key} differs from rank 0's after broadcast_state(): the buffers of "
+            f"submodules were not broadcast (module.buffers() recurses; recurse=False does not)")
+
+
+def _check_mean_of_three(results, who):
+    world = len(results)
+    mean = (world + 1) / 2  # ranks hold 1, 2, ..., world
+    for rank, grads in enumerate(results):
+        assert grads, f"rank {rank} has no gradients after the sync"
+        for name, g in grads.items():
+            got = g.unique().tolist()
+            if got == [mean]:
+                continue
+            cause = (f"divided by 2, not by the world size {world}: use self.world_size"
+                     if got == [mean * world / 2] else
+                     "missing divide by world size" if got == [mean * world] else
+                     f"not the mean over the {world} ranks")
+            raise AssertionError(
+                f"{who}, {world} ranks holding gradients 1, 2, 3: rank {rank}'s {name} is "
+                f"{got}, not the mean {mean}: {cause}")
+
+
+@pytest.mark.task("05.3")
+def test_naive_averages_over_three_ranks():
+    results = run_distributed(rf.mean_of_known_gradients, world_size=3, args=("naive",),
+                              kwargs={"task": "05.3"}, timeout=40)
+    _check_mean_of_three(results, "NaiveDDP")
+
+
+@pytest.mark.task("05.5")
+def test_overlap_averages_over_three_ranks():
+    results = run_distributed(rf.mean_of_known_gradients, world_size=3, args=("overlap",),
+                              kwargs={"task": "05.5"}, timeout=40)
+    _check_mean_of_three(results, "OverlapDDP")
+
+
+@pytest.mark.task("05.8")
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_bucketed_averages_over_three_ranks(as_view):
+    results = run_distributed(rf.mean_of_known_gradients, world_size=3, args=("bucketed",),
+                              kwargs={"task": "05.8", "bucket_cap_mb": PARTIAL_MB,
+                                      "as_view": as_view}, timeout=40)
+    _check_mean_of_three(results, "BucketedDDP")

@@ -57,3 +57,28 @@ def lesson_trainer_ddp(rank: int, world_size: int, precision: str) -> dict:
     import amp_inspect
 
     return amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3, batch_size=8)
+
+
+def save_on_ranks(rank: int, world_size: int, folder: str) -> dict:
+    """The lesson's ``_save_checkpoint`` on every rank: first each rank to its OWN path (only
+    rank 0 may write a file), then all to one path while rank 0 writes slowly (nobody may
+    return before the file is there)."""
+    from pathlib import Path
+
+    import ddp_amp  # the lesson module, from the tree under test
+
+    from tests.helpers import slowed
+
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 7)
+    trainer = ddp_amp.Trainer(model, None, opt, torch.device("cpu"), scaler=scaler,
+                              checkpoint_path=Path(folder) / f"own{rank}.pt")
+    trainer._save_checkpoint(2)
+    dist.barrier()
+    with slowed(ddp_amp, "save_checkpoint"):
+        trainer.checkpoint_path = Path(folder) / "shared.pt"
+        trainer._save_checkpoint(3)
+        there_on_return = trainer.checkpoint_path.is_file()
+    return {"there_on_return": there_on_return}

@@ -90,8 +90,9 @@ def _trainer(amp, model, opt, precision="fp32", scaler=None, max_norm=None, **kw
 SCALER_MISUSE = {
     "_scale is None": "the scaler never scaled the loss: backward must run on the loss the "
                       "scaler scaled",
-    "No inf checks were recorded": "the scaler's update() ran but its step() did not: step "
-                                   "the optimizer through the scaler",
+    "No inf checks were recorded": "the scaler's update() ran before (or without) its "
+                                   "step(): step the optimizer through the scaler, then "
+                                   "update()",
     "since the last update()": "the scaler's update() is missing (or its unscale_/step ran "
                                "twice in one step): one update() per step, after the "
                                "scaler's step",
@@ -215,7 +216,8 @@ def _scale_cause(got: torch.Tensor, want: torch.Tensor, scale: float) -> str:
     if w > 0 and abs(g / w / scale - 1) < 0.1:
         return (f"the gradients are still scaled ({scale:g}x): the optimizer stepped without "
                 "the scaler unscaling them (step through the scaler, not the optimizer)")
-    return "the gradients differ from plain fp32 SGD's"
+    return ("the gradients differ from plain fp32 SGD's (zero them at the start of each step, "
+            "and backward once per step)")
 
 
 @pytest.mark.task("06.1")
@@ -229,16 +231,20 @@ def test_step_with_scaler_backpropagates_the_scaled_loss_and_matches_fp32_sgd(am
         batch = _batch(seed=seed)
         out = _step(trainer, batch)
         ref_loss, _ = _reference_step(ref, ref_opt, batch)
+        assert isinstance(out["loss"], float), (
+            f"_run_batch returned a {type(out['loss']).__name__}, not a float: return "
+            "loss.item() (a tensor keeps its graph, and each caller would have to sync it)")
         assert out["loss"] == pytest.approx(ref_loss, rel=1e-5), (
             "_run_batch must return the (unscaled) loss of the batch, as a float")
         assert out["skipped"] is False, "a finite step was skipped"
-    for p, q in zip(_plain(trainer).parameters(), ref.parameters()):
-        torch.testing.assert_close(  # true, unscaled grads
-            p.grad, q.grad, rtol=1e-4, atol=1e-6,
-            msg=lambda m, g=p.grad, w=q.grad: f"{_scale_cause(g, w, 2.0 ** 12)}\n{m}")
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: "the weights differ "
-                                   "from plain fp32 SGD: backward must run on the scaled loss "
-                                   f"and the step go through the scaler\n{m}")
+        for p, q in zip(_plain(trainer).parameters(), ref.parameters()):
+            torch.testing.assert_close(  # true, unscaled grads, this step's only
+                p.grad, q.grad, rtol=1e-4, atol=1e-6,
+                msg=lambda m, g=p.grad, w=q.grad: f"{_scale_cause(g, w, 2.0 ** 12)}\n{m}")
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: (
+                "the gradients equal plain fp32 SGD's, but the weights after the step do "
+                "not: step once, through the scaler (scaler.step(optimizer) calls "
+                f"optimizer.step() itself: calling both takes the step twice)\n{m}"))
 
 
 @pytest.mark.task("06.1")
@@ -413,7 +419,7 @@ def test_under_autocast_conv_and_linear_are_bf16_loss_and_master_weights_fp32(am
     assert loss_dtypes == [torch.float32], (
         f"the loss came out {loss_dtypes}: compute it inside the autocast region (autocast "
         "runs cross-entropy in fp32), with F.cross_entropy, once per step")
-    assert isinstance(out["loss"], float)
+    assert isinstance(out["loss"], float), "_run_batch must return loss.item(), a float"
     assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
     assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.float32}
 
@@ -613,6 +619,24 @@ def test_resuming_a_scaled_run_from_a_checkpoint_without_scaler_state_is_an_erro
         with pytest.raises(CheckpointError, match="GradScaler|scaler"):
             _trainer(amp, fresh, _sgd(fresh), scaler=torch.amp.GradScaler("cpu"),
                      resume_from=tmp_path / name)
+
+
+@pytest.mark.task("06.2")
+@pytest.mark.timeout(150)
+def test_only_rank0_saves_and_every_rank_waits_for_the_file(tmp_path):
+    """Two ranks: only rank 0 writes (as in lesson 03), and no rank returns from
+    _save_checkpoint before the file is complete (rank 0 writes slowly here)."""
+    from tests.l06_mixed_precision import rank_fns
+
+    results = run_distributed(rank_fns.save_on_ranks, world_size=2, args=(str(tmp_path),),
+                              timeout=120)
+    assert (tmp_path / "own0.pt").is_file(), "rank 0 did not save"
+    assert not (tmp_path / "own1.pt").exists(), (
+        "rank 1 wrote a checkpoint too: only rank 0 may write it (if dist.get_rank() == 0)")
+    assert torch.load(tmp_path / "own0.pt", weights_only=True)["scaler"]["scale"] == 2.0 ** 7
+    assert all(r["there_on_return"] for r in results), (
+        "a rank went on before rank 0 had written the checkpoint: wait for it (dist.barrier() "
+        "after the save, on every rank)")
 
 
 # ---------------------------------------------------------------- 06.3 DDP's dtypes

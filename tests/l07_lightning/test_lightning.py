@@ -124,6 +124,10 @@ def test_logged_validation_metrics_cover_the_whole_set_on_one_device(lf):
     x, y = _synthetic(96, seed=3)
     ds = TensorDataset(x, y)
     metrics = _trainer().validate(model, DataLoader(ds, batch_size=32), verbose=False)[0]
+    missing = sorted({"val_acc", "val_loss"} - set(metrics))
+    assert not missing, (
+        f"Trainer.validate() reports no epoch value for {missing} (it got {sorted(metrics)}): "
+        "log them per epoch (validation's default), not with on_step=True, on_epoch=False")
     acc, loss, _, _ = _whole_set(model, ds)
     assert metrics["val_acc"] == pytest.approx(acc, abs=1e-6)
     assert metrics["val_loss"] == pytest.approx(loss, rel=1e-5)
@@ -184,6 +188,54 @@ def test_each_stage_gets_its_own_data_the_test_set_from_the_test_files(lf):
                                f"sample is not the test files' first\n{m}")
 
 
+def _fake_files(monkeypatch):
+    """dpt.data.load_tensors replaced by small fake files whose every sample is numbered
+    (x holds its id: 0.. for the training files, 1000.. for the test files); returns the
+    list of calls, with the root each asked for."""
+    import dpt.data
+
+    calls = []
+
+    def load_tensors(name="fashion-mnist", train=True, root=None, limit=None):
+        calls.append({"train": train, "root": root})
+        n, first = (200, 0) if train else (50, 1000)
+        x = torch.arange(first, first + n, dtype=torch.float32).view(n, 1, 1, 1)
+        return x, torch.arange(n) % 10
+
+    monkeypatch.setattr(dpt.data, "load_tensors", load_tensors)
+    return calls
+
+
+def _ids(ds):
+    return [int(ds[i][0].item()) for i in range(len(ds))]
+
+
+@pytest.mark.task("07.3")
+def test_setup_keeps_each_limit_for_its_own_split_and_reads_from_data_dir(lf, monkeypatch):
+    """train_limit keeps the first samples of the TRAINING split, val_limit those of the
+    validation split; and a data_dir given to the DataModule is where setup reads."""
+    calls = _fake_files(monkeypatch)
+    where = "/not/the/default/data"
+    whole = lf.FashionDataModule(data_dir=where, val_size=40, verbose=False)
+    whole.setup("fit")
+    dm = lf.FashionDataModule(data_dir=where, val_size=40, train_limit=24, val_limit=8,
+                              verbose=False)
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (24, 8), (
+        f"train_limit=24, val_limit=8 gave {len(dm.train_set)} training and {len(dm.val_set)} "
+        "validation samples: each limit keeps the head of its own split (limits swapped?)")
+    assert _ids(dm.train_set) == _ids(whole.train_set)[:24], (
+        "the limited training set is not the head of the training split")
+    assert _ids(dm.val_set) == _ids(whole.val_set)[:8], (
+        "the limited validation set is not the head of the validation split")
+    dm.setup("test")
+    assert _ids(dm.test_set) == list(range(1000, 1050)), "the test set is not the test files"
+    roots = sorted({str(c["root"]) for c in calls})
+    assert roots == [where], (
+        f"setup read from {roots}, not from the DataModule's data_dir {where!r}: pass "
+        "root=self.data_dir to dpt_data.load_tensors in every stage")
+
+
 @requires_data
 def test_the_datamodule_makes_no_distributed_sampler_of_its_own(lf):
     dm = lf.FashionDataModule(train_limit=64, val_limit=32, verbose=False)
@@ -199,8 +251,13 @@ def test_the_datamodule_makes_no_distributed_sampler_of_its_own(lf):
 def test_new_tensors_follow_the_module_device_and_input_dtype(lf):
     model = lf.LitClassifier(noise_std=0.5).train()
     x = torch.zeros(4, 1, 28, 28, dtype=torch.float64)
+    torch.manual_seed(0)
     out = model.double().add_noise(x)
     assert out.dtype == torch.float64 and out.std() > 0.1
+    # 3136 draws: the sample std of N(0, 0.5^2) is 0.5 +- 0.02 (one sigma: 0.5 / sqrt(2 n))
+    assert 0.4 < out.std().item() < 0.6, (
+        f"noise_std=0.5 gave noise of std {out.std().item():.3f}: scale the unit noise by "
+        "self.hparams.noise_std (it is a standard deviation, not a variance)")
     # float64 + float32 noise is float64 anyway; a bf16 batch shows a noise made in float32
     out = model.add_noise(torch.zeros(4, 1, 28, 28, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16, (
@@ -236,9 +293,14 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
     fabric = Fabric(accelerator="cpu", devices=1)
     x, y = _synthetic(48)
     loader = fd.fabric_loader(fabric, TensorDataset(x, y), 16)
+    torch.manual_seed(0)
     batches = list(loader)
     assert [len(b[1]) for b in batches] == [16, 16, 16]
     assert sorted(torch.cat([b[1] for b in batches]).tolist()) == sorted(y.tolist())
+    assert not torch.equal(torch.cat([b[0] for b in batches]), x), (
+        "the loader gives the 48 samples in the dataset's order: a training loader shuffles "
+        "(DataLoader(..., shuffle=True)); under ddp Fabric's DistributedSampler keeps that "
+        "choice, so without it no rank ever sees a new order")
     torch.manual_seed(0)
     model = MLP(16)
     ref = MLP(16)
@@ -409,9 +471,16 @@ def test_bf16_mixed_precision_trains_on_cpu():
     ({"strategy": "ddp2"}, {"strategy": "ddp"}),
     ({"weights_summary": None, "max_epochs": 1}, {"enable_model_summary": False, "max_epochs": 1}),
     ({"gpus": 0, "max_epochs": 1}, {"max_epochs": 1}),  # gpus=0 was 1.x's way to say CPU
+    # 1.x also took a strategy name as accelerator=, with or without gpus: it must move
+    # to strategy= and leave no accelerator="ddp" behind (2.x has no such accelerator)
+    ({"accelerator": "ddp"}, {"strategy": "ddp"}),
+    ({"gpus": 2, "accelerator": "ddp_spawn"},
+     {"accelerator": "gpu", "devices": 2, "strategy": "ddp_spawn"}),
+    ({"weights_summary": "top"}, {"enable_model_summary": True}),  # only None turned it off
 ])
 def test_migrate_trainer_kwargs(mig, old, new):
-    assert mig.migrate_trainer_kwargs(old, cuda=True) == new
+    got = mig.migrate_trainer_kwargs(old, cuda=True)
+    assert got == new, f"Lightning 1.x's Trainer({old}) becomes {got}, not {new}"
 
 
 @pytest.mark.task("07.6")

@@ -278,21 +278,104 @@ def fsdp_vs_ddp(rank, world_size, steps=4, state_dict=False, own_shard=True):
               for n, p in fsdp.named_parameters()]
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01) for m in (ddp, fsdp)]
     losses = {"ddp": [], "fsdp": []}
+    after_forward = None  # per parameter, between the first forward and its backward
     for step in range(steps):
         x, y = batch(rank, step)
         for key, m, o in (("ddp", ddp, opts[0]), ("fsdp", fsdp, opts[1])):
             o.zero_grad()
             loss = F.cross_entropy(m(x), y)
+            if key == "fsdp" and after_forward is None:
+                after_forward = [(n, type(p).__name__, p.numel(),
+                                  (p.to_local() if hasattr(p, "to_local") else p).numel())
+                                 for n, p in fsdp.named_parameters()]
             loss.backward()
             o.step()
             losses[key].append(loss.item())
     full = [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
             for p in fsdp.parameters()]
     diff = max((a - b.detach()).abs().max().item() for a, b in zip(full, ddp.module.parameters()))
-    out = {"is_unit": is_unit, "shards": shards, "losses": losses, "diff": diff}
+    out = {"is_unit": is_unit, "shards": shards, "losses": losses, "diff": diff,
+           "after_forward": after_forward}
     if state_dict:
         sd = ft.full_state_dict(fsdp)
         out["fsdp_sd"] = {k: (type(v).__name__, v.detach().clone() if torch.is_tensor(v) else v)
                           for k, v in sd.items()}
         out["ddp_sd"] = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
     return out
+
+
+def zero2_mean_of_known_gradients(rank, world_size):
+    """ZeRO-2's reduce_gradients() alone, on gradients known in advance: rank r holds r + 1
+    in every element, so each owner must end with the mean (world_size + 1) / 2 and every
+    other rank with no gradient. Run with 3 ranks, where dividing by a hard-coded 2 shows.
+    Returns, per parameter, this rank's gradient values after the call (None when freed),
+    and the weights after the step() that follows."""
+    import torch.distributed as dist
+    from torch import nn
+
+    zo = load(LESSON, "zero_optimizer")
+    use_reference_partition(zo)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    opt = zo.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    calls = []
+    real = {name: getattr(dist, name) for name in ("reduce", "all_reduce")}
+
+    def counting(name):
+        return lambda *a, **k: (calls.append(name), real[name](*a, **k))[1]
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        opt.reduce_gradients()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    owners = reference_partition([p.numel() for p in model.parameters()], world_size)
+    out = {"owners": owners, "collectives": sorted(set(calls)),
+           "grads": [None if p.grad is None else sorted(set(p.grad.flatten().tolist()))
+                     for p in model.parameters()]}
+    opt.step()  # ZeRO-2's step after the reduce: every rank again holds the same weights
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def sharded_state_dict_round_trip(rank, world_size, steps=2):
+    """Train with the lesson's ShardedOptimizer(Adam), save this rank's shard, load it into a
+    fresh optimizer over a copy of the weights, and take one more step with both: the
+    resumed copy must land exactly where the original does. Also loads the OTHER rank's
+    shard, which must be refused."""
+    import torch.distributed as dist
+
+    zo = load(LESSON, "zero_optimizer")
+    use_reference_partition(zo)
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    opt = zo.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2)
+
+    def step(m, o, s):
+        o.zero_grad()
+        x, y = batch(0, s)  # the same data on every rank: no gradient sync needed
+        F.cross_entropy(m(x), y).backward()
+        o.step()
+
+    for s in range(steps):
+        step(model, opt, s)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = copy.deepcopy(model)
+    fresh = zo.ShardedOptimizer(resumed.parameters(), torch.optim.Adam, lr=1e-2)
+    fresh.load_state_dict(saved)
+    step(model, opt, steps)
+    step(resumed, fresh, steps)
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                             resumed.parameters()))
+    shards = [None] * world_size
+    dist.all_gather_object(shards, saved)
+    try:
+        fresh.load_state_dict(shards[(rank + 1) % world_size])
+        other = "accepted"
+    except ValueError as exc:
+        other = str(exc)
+    return {"diff": diff, "other": other}

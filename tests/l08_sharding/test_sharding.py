@@ -56,6 +56,22 @@ def test_prediction_uses_the_bytes_per_parameter_it_is_given(acc):
 
 
 @pytest.mark.task("08.1")
+def test_each_kind_is_priced_with_its_own_bytes_per_parameter(acc):
+    """Three different byte counts, so none can stand in for another (the other tests give
+    parameters and gradients the same size)."""
+    n = 4
+    for k, stage in enumerate(("ddp", "zero1", "zero2", "zero3")):
+        got = acc.predict_bytes(1000, n, stage, param_bytes=2, grad_bytes=3, state_bytes=12)
+        want = {"params": 2000 / (n if k >= 3 else 1), "grads": 3000 / (n if k >= 2 else 1),
+                "optimizer": 12000 / (n if k >= 1 else 1)}
+        want["total"] = sum(want.values())
+        assert got == pytest.approx(want), (
+            f"{stage} with param_bytes=2, grad_bytes=3, state_bytes=12: got {got}, not {want}: "
+            "parameters cost param_bytes each, gradients grad_bytes, optimizer state "
+            "state_bytes")
+
+
+@pytest.mark.task("08.1")
 def test_prediction_table_has_a_row_per_stage_and_world_size_in_mib(acc):
     rows = acc.prediction_table(1_000_003, world_sizes=(1, 4), param_bytes=2, grad_bytes=2,
                                 state_bytes=12)
@@ -127,6 +143,14 @@ def test_partition_uses_every_rank_and_keeps_big_tensors_apart(zo):
     assert owners[2] != owners[3]
     assert sorted(set(zo.partition_params([5] * 8, 4))) == [0, 1, 2, 3]
     assert zo.partition_params([3, 4], 1) == [0, 0]
+    # biggest first: the 4 goes to one rank, the four 1s to the other. Smallest first (or in
+    # the given order) ends 1+1+4 against 1+1, within the bound above but not balanced.
+    sizes = [1, 1, 1, 1, 4]
+    owners = zo.partition_params(sizes, 2)
+    loads = sorted(sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2))
+    assert loads == [4, 4], (
+        f"{sizes} over 2 ranks gave loads {loads}, not [4, 4]: hand out the parameters "
+        "biggest first, each to the rank with the fewest elements so far")
 
 
 @pytest.mark.task("08.2")
@@ -260,8 +284,15 @@ def test_the_optimizer_works_on_a_process_group_that_is_not_the_world():
 def test_fsdp2_shards_every_parameter_and_trains_like_ddp():
     ranks = run_distributed(rank_fns.fsdp_vs_ddp, world_size=2, timeout=300,
                             kwargs={"steps": 4})
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         assert r["is_unit"] == {"root": True, "layer1": True, "layer2": True, "fc": True}
+        whole = [name for name, kind, numel, local in r["after_forward"]
+                 if kind != "DTensor" or local > -(-numel // 2)]
+        assert not whole, (
+            f"between forward and backward {whole} are whole on rank {rank}: each block "
+            "must be freed back to its shard right after its forward (fully_shard's default, "
+            "reshard_after_forward=True); keeping blocks whole until backward costs ZeRO-2's "
+            "memory, not ZeRO-3's")
         assert r["losses"]["fsdp"] == pytest.approx(r["losses"]["ddp"], rel=1e-4, abs=1e-5), \
             "FSDP2's losses differ from DDP's: shard every block and then the root"
         assert r["diff"] < 1e-5, (f"FSDP2's weights differ from DDP's by {r['diff']:.2g} after "
@@ -320,3 +351,50 @@ def test_bad_arguments_give_one_line():
     proc = run_script(script(LESSON, "fsdp2_train.py"), "--nproc", "0", timeout=125)
     assert proc.returncode == 2
     assert "at least 1" in one_line_error(proc)
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_zero2_reduce_gradients_averages_over_three_ranks():
+    """Ranks hold gradients 1, 2 and 3: each owner must end with the mean 2 (the other tests
+    run two ranks, where a divide by a hard-coded 2 looks right); the step after it leaves
+    the three ranks with the same weights."""
+    ranks = run_distributed(rank_fns.zero2_mean_of_known_gradients, world_size=3, timeout=120)
+    owners = ranks[0]["owners"]
+    for rank, r in enumerate(ranks):
+        assert r["collectives"] == ["reduce"], (
+            f"rank {rank}'s reduce_gradients() used {r['collectives']}: ZeRO-2 sends each "
+            f"gradient to its owner only (dist.reduce with dst=); an all_reduce gives every "
+            f"rank sums it then throws away")
+        for i, (owner, grad) in enumerate(zip(owners, r["grads"])):
+            if owner != rank:
+                assert grad is None, (f"rank {rank} kept the gradient of parameter {i}, which "
+                                      f"rank {owner} owns: free it (ZeRO-2)")
+                continue
+            assert grad == [2.0], (
+                f"rank {rank} owns parameter {i}; after reduce_gradients() its gradient is "
+                f"{grad}, not the mean [2.0] of 1, 2, 3: "
+                + ("divided by 2, not by the world size 3" if grad == [3.0] else
+                   "the sum, not divided by the world size" if grad == [6.0] else
+                   "not the mean over the ranks"))
+    for rank, r in enumerate(ranks[1:], 1):
+        for a, b in zip(ranks[0]["params"], r["params"]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, rank=rank: (
+                f"rank {rank}'s weights differ from rank 0's after reduce_gradients() and "
+                f"step(): every owner must broadcast what it updated\n{m}"))
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_a_rank_resumes_from_its_own_shard_of_the_state():
+    """state_dict() holds this rank's shard; load_state_dict() puts it back into the inner
+    optimizer, so a resumed run steps exactly as the original, and refuses another rank's."""
+    ranks = run_distributed(rank_fns.sharded_state_dict_round_trip, world_size=2, timeout=120)
+    for rank, r in enumerate(ranks):
+        assert r["diff"] == 0, (
+            f"rank {rank}: one step after load_state_dict() the weights differ by "
+            f"{r['diff']:.2g} from the run that saved it: the saved shard (Adam's moments) "
+            f"never reached the inner optimizer")
+        assert r["other"] != "accepted", (
+            f"rank {rank} loaded the other rank's shard without complaint: each rank must "
+            f"load the shard it saved")
