@@ -96,7 +96,12 @@ def test_evaluate_uses_eval_mode_and_restores_training_mode(sd):
     model.train()
     before = copy.deepcopy(model.state_dict())
     x, y = _batch(16)
+    graphs = []  # whether each forward built an autograd graph
+    model.register_forward_hook(lambda mod, args, out: graphs.append(out.requires_grad))
     sd.evaluate(model, TensorLoader(x, y, batch_size=8), CPU)
+    assert graphs and not any(graphs), (
+        "evaluate built an autograd graph for every batch (memory and time for nothing): "
+        "predict under torch.no_grad() (keep the @torch.no_grad() decorator)")
     assert model.training, "evaluate must put the model back in training mode"
     for k, v in model.state_dict().items():  # eval mode: batch-norm statistics untouched
         torch.testing.assert_close(v, before[k], msg=f"{k} changed during evaluation")
@@ -239,6 +244,10 @@ def test_trainer_learns_and_checkpoints_every_save_every_epochs(sd, tmp_path):
                          checkpoint_path=tmp_path / "ck.pt")
     losses = trainer.train(4)
     assert len(losses) == 4 and len(trainer.history) == 4 * 8 and trainer.epochs_run == 4
+    first = trainer.history[:8]
+    assert losses[0] == pytest.approx(sum(first) / len(first), rel=1e-9), (
+        f"train()'s epoch loss {losses[0]} is not the mean of that epoch's batch losses: "
+        "_run_epoch must return sum(losses) / len(losses), not one batch's loss")
     assert losses[-1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
     assert sd.load_checkpoint(tmp_path / "ck.pt", MLP())["epoch"] == 4
 
@@ -248,20 +257,50 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
     torch.manual_seed(0)
     x, y = _separable()
     model = MLP()
-    sd.Trainer(model, sd.prepare_dataloader(x, y, 32), torch.optim.SGD(model.parameters(), lr=0.05),
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sd.Trainer(model, sd.prepare_dataloader(x, y, 32), opt,
                CPU, save_every=1, checkpoint_path=tmp_path / "ck.pt").train(2)
     fresh = MLP().eval()  # as a model comes back from evaluate() or a notebook cell
-    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9)
     resumed = sd.Trainer(fresh, sd.prepare_dataloader(x, y, 32), fresh_opt, CPU,
                          resume_from=tmp_path / "ck.pt")
     assert resumed.epochs_run == 2, "a resumed Trainer starts at the checkpoint's epoch"
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, msg="a resumed Trainer must load the checkpoint's weights")
+    momentum = fresh_opt.state_dict()["state"]
+    assert momentum, ("a resumed Trainer restarted momentum from zero: pass the optimizer to "
+                      "load_checkpoint, so its state is restored with the weights")
+    for i, buf in opt.state_dict()["state"].items():
+        torch.testing.assert_close(momentum[i]["momentum_buffer"], buf["momentum_buffer"],
+                                   msg="the resumed optimizer's momentum is not the saved one")
     modes = []
     run_batch = resumed._run_batch
     resumed._run_batch = lambda s, t: (modes.append(resumed.model.training), run_batch(s, t))[1]
-    losses = resumed.train(3)
+    losses = resumed.train(3, limit_batches=3)
     assert len(losses) == 1, (f"train(3) after a checkpoint at epoch 2 ran {len(losses)} epochs: "
                               f"it must run only the epochs not finished yet")
+    assert len(resumed.history) == 3, (
+        f"train(3, limit_batches=3) took {len(resumed.history)} steps in its one epoch, not 3: "
+        "pass limit_batches on to _run_epoch")
     assert modes and all(modes), "an epoch must train in training mode (model.train())"
+
+
+def test_prepare_dataloader_shuffles_by_its_seed_and_every_epoch_differently(sd):
+    x = torch.arange(64).float()[:, None]
+    y = torch.zeros(64, dtype=torch.long)
+
+    def orders(loader, epochs=2):
+        return [torch.cat([b[0][:, 0] for b in loader]).long().tolist() for _ in range(epochs)]
+
+    seed0, again, seed1 = (orders(sd.prepare_dataloader(x, y, 8, seed=s)) for s in (0, 0, 1))
+    assert sorted(seed0[0]) == list(range(64)), "every sample once per epoch"
+    assert seed0[0] != list(range(64)), "prepare_dataloader(shuffle=True) must shuffle"
+    assert seed0 == again, "the same seed must give the same orders (a reproducible run)"
+    assert seed0[0] != seed1[0], ("seeds 0 and 1 gave the same order: the loader's generator "
+                                  "must be seeded with `seed` (torch.Generator().manual_seed)")
+    assert seed0[0] != seed0[1], "each epoch must have a new order"
+    plain = orders(sd.prepare_dataloader(x, y, 8, shuffle=False), epochs=1)[0]
+    assert plain == list(range(64)), "shuffle=False must keep the samples in order"
 
 
 @requires_data

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpt.checkpoint import CheckpointError
+from dpt.data import TensorLoader
 from dpt.models import MLP, ConvNet
 from tests.helpers import one_line_error, requires_data, run_script
 from tests.l02_data_parallel import reference as ref
@@ -290,6 +291,11 @@ def test_gather_concatenates_in_order_and_routes_gradients_back(dbh):
     torch.testing.assert_close(parts[2].grad, torch.full((1, 4), 6.0), msg=routed)
     torch.testing.assert_close(parts[0].grad, weights[:3], msg=routed)
     assert dbh.gather(parts, "cpu").shape == (7, 4)
+    meta = torch.device("meta")  # a device other than the CPU that every machine has
+    moved = dbh.gather([p.detach() for p in parts], meta)
+    assert moved.device == meta and moved.shape == (7, 4), (
+        f"gather(outputs, device=meta) returned a tensor on {moved.device}: the outputs must "
+        "end up on `device` (the root, where the loss is computed); only None leaves them")
 
 
 # ---------------------------------------------------------------- 02.6 the whole DP forward
@@ -332,6 +338,12 @@ class _CountThreads(nn.Module):
 def test_forward_runs_the_replicas_with_threads_per_replica_threads(dbh, monkeypatch):
     _patch(monkeypatch, dbh)  # the reference primitives run the replicas in this thread
     model = _CountThreads()
+    monkeypatch.setattr(dbh, "cpu_budget", lambda: 8)  # an 8-core machine
+    defaults = {n: dbh.DataParallelByHand(model, n_replicas=n).threads_per_replica
+                for n in (1, 2, 3)}
+    assert defaults == {1: 8, 2: 4, 3: 2}, (
+        f"on 8 cores, 1, 2 and 3 replicas get {defaults} threads each by default: the cores "
+        "must be split among the replicas (cpu_budget() // n_replicas, at least 1)")
     before = torch.get_num_threads()
     want = before + 1  # any count but the current one
     dbh.DataParallelByHand(model, n_replicas=2, threads_per_replica=want)(torch.randn(4, 4))
@@ -421,6 +433,36 @@ def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
     for p, q in zip(model.parameters(), single.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=lambda m: "the wrapped "
                                    f"model must train exactly like the plain one\n{m}")
+
+
+@pytest.mark.task("02.7")
+@pytest.mark.timeout(60)
+def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, monkeypatch,
+                                                                      tmp_path):
+    x, y = _data(48)
+    monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: None)  # no dataset: 48 samples
+    monkeypatch.setattr(dp_mod, "make_loader",
+                        lambda *a, batch_size=4, **k: TensorLoader(x, y, batch_size=4))
+    built = []  # the trained model, then the plain one the checkpoint is reloaded into
+    real_build = dp_mod.build_model
+    monkeypatch.setattr(dp_mod, "build_model", lambda name: built.append(real_build(name))
+                        or built[-1])
+    args = dp_mod.build_parser().parse_args(
+        ["--model", "mlp", "--epochs", "2", "--limit-batches", "3", "--no-progress",
+         "--checkpoint", str(tmp_path / "dp.pt")])
+    result = dp_mod.run(args)
+    assert len(result["losses"]) == 2 * 3, (
+        f"--epochs 2 --limit-batches 3 took {len(result['losses'])} steps, not 6: each epoch "
+        "stops after exactly --limit-batches batches")
+    assert 0.0 <= result["accuracy"] <= 1.0 and len(built) == 2
+    for (k, v), w in zip(built[0].state_dict().items(), built[1].state_dict().values()):
+        torch.testing.assert_close(w, v.cpu(), msg=f"{k}: --checkpoint's plain model is not the "
+                                   "trained one: reload the saved file into it (load_plain) "
+                                   "before reporting its accuracy")
+    again = dp_mod.run(args)
+    assert again["losses"] == result["losses"], (
+        "two runs with the same --seed gave different losses: seed torch "
+        "(torch.manual_seed(args.seed)) before the model is built")
 
 
 def test_explain_devices_says_what_dataparallel_does_here(dp_mod):
@@ -577,6 +619,34 @@ def test_timing_script_writes_json_and_plot(tmp_path):
     for secs in result["lines"].values():
         assert len(secs) == 2 and all(s > 0 for s in secs)
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)
+def test_sweep_times_each_line_with_its_own_threads(timing, monkeypatch):
+    monkeypatch.setattr(timing, "gpu_count", lambda: 0)  # the CPU study, on any machine
+    seen = []
+
+    def fake_time_forward(model, x, device, warmup=3, repeats=10):
+        seen.append((model, len(x), torch.get_num_threads()))
+        return 0.001
+
+    monkeypatch.setattr(timing, "time_forward", fake_time_forward)
+    before = torch.get_num_threads()
+    result = timing.sweep([2, 8], 2, "mlp", warmup=0, repeats=1, threads_per_device=1)
+    names = list(result["lines"])
+    assert len(names) == 3 and all(v == [0.001, 0.001] for v in result["lines"].values())
+    assert [b for _, b, _ in seen] == [2, 2, 2, 8, 8, 8], "every line, batch size by batch size"
+    one, dp, wide = seen[:3]
+    assert one[2] == 1, f"{names[0]!r} ran with {one[2]} intra-op threads, not 1"
+    assert isinstance(dp[0], timing.DataParallelByHand) and dp[0].threads_per_replica == 1, (
+        "the DP-by-hand line must run 2 replicas of threads_per_device=1 thread each")
+    assert wide[2] == 2, (
+        f"{names[2]!r} ran with {wide[2]} intra-op threads: the comparison line gives ONE "
+        "device all n_devices * threads_per_device threads (2 here), the cores DP uses")
+    assert not any(m.training for m in (one[0], dp[0].module, wide[0])), (
+        "sweep timed the model in training mode: inference latency is measured in eval mode "
+        "(model.eval(): no dropout, batch norm's running statistics)")
+    assert torch.get_num_threads() == before, "sweep left torch's thread count changed"
 
 
 def test_timing_script_bad_input_is_one_clear_line():

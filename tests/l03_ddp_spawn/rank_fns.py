@@ -143,12 +143,19 @@ def save_on_ranks(rank, world_size, folder):
                           checkpoint_path=Path(folder) / f"own{rank}.pt")
     trainer._save_checkpoint(2)
     dist.barrier()
+    fresh = ConvNet()  # every rank resumes from rank 0's checkpoint, momentum included
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    resumed = mod.Trainer(fresh, None, fresh_opt, rank_device(),
+                          resume_from=Path(folder) / "own0.pt")
+    resume = {"epochs_run": resumed.epochs_run,
+              "momentum": [s["momentum_buffer"].cpu().clone()
+                           for s in fresh_opt.state_dict()["state"].values()]}
     with slowed(mod, "save_checkpoint"):
         trainer.checkpoint_path = Path(folder) / "shared.pt"
         trainer._save_checkpoint(3)
         there_on_return = trainer.checkpoint_path.is_file()
     return {"state": {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()},
-            "there_on_return": there_on_return}
+            "there_on_return": there_on_return, "resume": resume}
 
 
 def evaluate_counts(rank, world_size, x, y):
@@ -156,6 +163,8 @@ def evaluate_counts(rank, world_size, x, y):
     torch.manual_seed(0)
     model = ConvNet().to(rank_device())
     model.train()
+    graphs = []  # whether each forward built an autograd graph
+    model.register_forward_hook(lambda m, args, out: graphs.append(out.requires_grad))
     sampler = DistributedSampler(range(len(x)), shuffle=False)
     loader = TensorLoader(x, y, batch_size=16, sampler=sampler)
     counts = mod.evaluate(model, loader, rank_device())
@@ -163,7 +172,7 @@ def evaluate_counts(rank, world_size, x, y):
     model.eval()  # and a model that was in eval mode stays in eval mode
     again = mod.evaluate(model, loader, rank_device())
     return {"counts": counts, "training_after": training_after, "again": again,
-            "eval_after": not model.training}
+            "eval_after": not model.training, "graphs": graphs}
 
 
 def run_leaves_the_group(rank, world_size, fail):

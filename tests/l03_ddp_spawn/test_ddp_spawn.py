@@ -200,6 +200,16 @@ def test_only_rank0_saves_without_module_prefix_and_everyone_waits(tmp_path):
     assert all(r["there_on_return"] for r in results), (
         "a rank went on before rank 0 had written the checkpoint: wait for it (a barrier)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["own0.pt", "shared.pt"]
+    saved = list(state["optimizer"]["state"].values())
+    for rank, r in enumerate(results):
+        assert r["resume"]["epochs_run"] == 2, (
+            f"rank {rank}: Trainer(resume_from=...) did not start at the checkpoint's epoch")
+        assert len(r["resume"]["momentum"]) == len(saved), (
+            f"rank {rank}: a resumed Trainer restarted momentum from zero: pass the optimizer "
+            "to load_checkpoint, so its state is restored with the weights")
+        for got, want in zip(r["resume"]["momentum"], saved):
+            torch.testing.assert_close(got, want["momentum_buffer"], msg=(
+                f"rank {rank}: the resumed optimizer's momentum is not the checkpoint's"))
 
 
 # ------------------------------------------------------------------ 03.5 evaluation
@@ -225,6 +235,9 @@ def test_accuracy_counts_the_whole_test_set_once():
         assert counts[1] != n + 1, "the padded duplicate was counted"
         assert counts == expected, (
             f"rank {rank} reports {counts}, the whole test set gives {expected}")
+        assert r["graphs"] and not any(r["graphs"]), (
+            f"rank {rank}: evaluate built an autograd graph for every batch (memory and time "
+            "for nothing): predict under torch.no_grad() (keep the @torch.no_grad() decorator)")
         assert r["training_after"], "evaluate must restore training mode"
         assert tuple(int(c) for c in r["again"]) == expected, (
             f"rank {rank}: a second evaluate gives {r['again']}, not {expected}")

@@ -77,6 +77,39 @@ def test_torchrun_env_rejects_ranks_out_of_range(mod, change):
                 "else raise LaunchError")
 
 
+@pytest.mark.task("04.1")
+def test_ddp_setup_passes_torchrun_s_layout_and_the_flags_to_setup(mod, monkeypatch):
+    import inspect
+    from argparse import Namespace
+
+    for key, value in ENV.items():  # rank 3 of 4: local process 1 of a 2-process machine
+        monkeypatch.setenv(key, value)
+    calls = []
+
+    def record(*args, **kwargs):  # dpt.dist.setup's stand-in: records, joins nothing
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return torch.device("cpu")
+
+    real = mod.setup
+    monkeypatch.setattr(mod, "setup", record)
+    got = mod.ddp_setup(Namespace(device="cpu", timeout=37.0, threads=1))
+    assert calls, "ddp_setup must join through dpt.dist.setup"
+    call = calls[0]
+    assert got[:2] == (3, 4) and (call["rank"], call["world_size"]) == (3, 4)
+    assert call["local_rank"] == 1, (
+        f"setup got local_rank={call['local_rank']}, not LOCAL_RANK=1 (it picks the GPU)")
+    assert call["local_world_size"] == 2, (
+        f"setup got local_world_size={call['local_world_size']}, not LOCAL_WORLD_SIZE=2: the "
+        "processes sharing this machine split its CPU cores, not the whole world's")
+    assert call["timeout_s"] == 37.0, (
+        f"--timeout 37 reached setup as timeout_s={call['timeout_s']}: pass args.timeout on")
+    assert call["threads"] == 1, (
+        f"--threads 1 reached setup as threads={call['threads']}: pass args.threads on")
+    assert str(call["device"]) == "cpu", f"--device cpu reached setup as {call['device']!r}"
+
+
 # ------------------------------------------------------------------ 04.2 gather_rng_states
 
 
