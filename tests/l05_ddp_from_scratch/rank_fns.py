@@ -527,22 +527,46 @@ def view_bucket_rank(rank, world_size, set_to_none, steps=3, task=None):
 
 
 def unused_rank(rank, world_size, variant, task=None):
-    """One step with a parameter no rank uses: return ('ok', state) or ('error', message)."""
+    """One step with a parameter no rank uses: ``('ok', state, None)``, or
+    ``('error', message, after)``: ``after`` is None when the next step, which uses every
+    parameter, then synchronizes without an error, else what it raised."""
     apply_patches(parts_except(variant, task))
     module = build("toy", seed=0, unused=True)
     before = module.unused.weight.detach().clone()
     model = wrap(variant, module)
     opt = SGD(model.parameters(), lr=0.2)
     x, y = global_batch("toy", 0)
-    F.cross_entropy(model(x[rank::world_size]), y[rank::world_size]).backward()
+    x, y = x[rank::world_size], y[rank::world_size]
+    F.cross_entropy(model(x), y).backward()
     try:
         model.finish_gradient_synchronization()
     except NotImplementedError:  # a stub (a RuntimeError too) is not a clear error message
         raise
     except RuntimeError as exc:
-        return ("error", str(exc))
+        # The error must leave the wrapper usable: a step using every parameter works again.
+        extra = torch.ones(2, HIDDEN, dtype=torch.float64, device=device())
+
+        def loss():
+            return F.cross_entropy(model(x), y) + module.unused(extra).pow(2).mean()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        want = []  # the mean of the local gradients (autograd.grad fires no hook)
+        for g in torch.autograd.grad(loss(), [p for _, p in named]):
+            g = g.detach().clone()
+            dist.all_reduce(g)
+            want.append(g / world_size)
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        try:
+            model.finish_gradient_synchronization()
+        except RuntimeError as again:
+            return ("error", str(exc), f"it raised {type(again).__name__}: {again}")
+        wrong = [n for (n, p), w in zip(named, want)
+                 if p.grad is None or not torch.allclose(p.grad, w, rtol=1e-12, atol=1e-12)]
+        return ("error", str(exc), f"the gradients of {wrong} are not the mean over the ranks"
+                if wrong else None)
     opt.step()
-    return ("ok", torch.equal(before, module.unused.weight.detach()))
+    return ("ok", torch.equal(before, module.unused.weight.detach()), None)
 
 
 def broadcast_from_rank_1(rank, world_size, task=None):

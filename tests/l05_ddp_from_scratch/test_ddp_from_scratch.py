@@ -198,8 +198,8 @@ def test_naive_reduces_each_trainable_gradient_once():
 
 @pytest.mark.task("05.3")
 def test_naive_with_an_unused_parameter_works_or_raises_clearly():
-    for status, detail in run_distributed(rf.unused_rank, world_size=2, args=("naive", "05.3"),
-                                          timeout=30):
+    for status, detail, _ in run_distributed(rf.unused_rank, world_size=2,
+                                             args=("naive", "05.3"), timeout=30):
         assert status == "ok" or "unused" in detail.lower() or "gradient" in detail.lower()
         if status == "ok":
             assert detail, "an unused parameter changed"
@@ -303,10 +303,13 @@ def test_overlap_matches_single_process_with_its_own_finish():
 
 @pytest.mark.task("05.5")
 def test_overlap_unused_parameter_raises_clearly_not_hangs():
-    for status, detail in run_distributed(rf.unused_rank, world_size=2,
-                                          args=("overlap", "05.5"), timeout=30):
+    for status, detail, after in run_distributed(rf.unused_rank, world_size=2,
+                                                 args=("overlap", "05.5"), timeout=30):
         assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
         assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
+        assert after is None, (
+            f"after the error for the unused parameter, the next step (every parameter used) "
+            f"failed: {after}: clear self.pending before raising, or later steps see stale work")
 
 
 # --------------------------------------------------------------------------- bucketed DDP
@@ -412,10 +415,14 @@ def test_bucketed_waits_and_unflattens_on_a_slow_network(cap, as_view):
 
 @pytest.mark.task("05.8")
 def test_bucketed_unused_parameter_raises_clearly_not_hangs():
-    for status, detail in run_distributed(rf.unused_rank, world_size=2,
-                                          args=("bucketed", "05.8"), timeout=30):
+    for status, detail, after in run_distributed(rf.unused_rank, world_size=2,
+                                                 args=("bucketed", "05.8"), timeout=30):
         assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
         assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
+        assert after is None, (
+            f"after the error for the unused parameter, the next step (every parameter used) "
+            f"failed: {after}: reset self.ready (and self.pending) before raising too, or the "
+            f"failed step's counts carry over, pass the bucket size, and it never launches")
 
 
 # --------------------------------------------------------------------------- the lesson as is

@@ -721,10 +721,15 @@ def test_digit_zero_or_lowercase_o_is_caught_with_the_fix(apex_amp, typo, fixed)
 
 
 @pytest.mark.task("06.4")
-@pytest.mark.parametrize("bad", ["O4", "O", "", "fast"])
+@pytest.mark.parametrize("bad", ["O4", "O", "", "fast", 1, None])
 def test_unknown_opt_levels_are_rejected(apex_amp, bad):
-    with pytest.raises(apex_amp.OptLevelError, match="O0"):
-        apex_amp.check_opt_level(bad)
+    with pytest.raises(apex_amp.OptLevelError, match="O0" if isinstance(bad, str) else "O1"):
+        try:
+            apex_amp.check_opt_level(bad)
+        except (AttributeError, TypeError) as exc:  # a number or None is no opt_level either
+            pytest.fail(f"check_opt_level({bad!r}) raised {type(exc).__name__}: {exc}; a "
+                        "non-string opt_level must raise an OptLevelError that says it wants a "
+                        "string like 'O1' (check isinstance(opt_level, str) first)")
 
 
 # The calls tasks 06.1 and 06.2 consist of: the mapping from Apex teaches the ideas and points

@@ -95,8 +95,17 @@ def test_a_short_fit_lowers_the_loss(lf):
     x, y = _synthetic(64)
     loader = DataLoader(TensorDataset(x, y), batch_size=16)
     before = F.cross_entropy(model(x), y).item()
-    _trainer(max_epochs=5).fit(model, loader)
+    trainer = _trainer(max_epochs=5)
+    trainer.fit(model, loader)
     assert F.cross_entropy(model(x), y).item() < before
+    (opt,) = trainer.optimizers
+    lrs = {g["lr"] for g in opt.param_groups}
+    assert lrs == {1e-2}, (
+        f"LitClassifier(learning_rate=1e-2) trained with lr {sorted(lrs)}: configure_optimizers "
+        "must read self.hparams.learning_rate, not a hard-coded number")
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in model.parameters()}, (
+        "configure_optimizers must give the optimizer every parameter of the module")
 
 
 @pytest.mark.task("07.2")

@@ -47,10 +47,14 @@ def batch(rank, step, n=8):
 
 
 def _groups(model, lr):
-    """Two parameter groups: weights with decay, biases and norms without, other lr."""
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1]
-    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
-    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": lr * 2}]
+    """Three parameter groups: the last bias alone, with its own lr (one rank owns nothing of
+    that group), the other weights with decay, the other biases and norms without, other lr."""
+    named = list(model.named_parameters())
+    alone = [named[-1][1]]
+    decay = [p for n, p in named[:-1] if n.endswith("weight") and p.dim() > 1]
+    rest = [p for n, p in named[:-1] if not (n.endswith("weight") and p.dim() > 1)]
+    return [{"params": alone, "lr": lr * 3}, {"params": decay},
+            {"params": rest, "weight_decay": 0.0, "lr": lr * 2}]
 
 
 OPTIMIZERS = {
@@ -86,6 +90,7 @@ def sharded_vs_plain(rank, world_size, opt_name="adam", steps=4, own_partition=F
             for opt in opts:
                 for g in opt.param_groups:
                     g["lr"] *= 0.5
+                    g["weight_decay"] += 0.02  # other options change too (OneCycleLR: momentum)
         x, y = batch(rank, step)
         for model, opt in zip(models, opts):
             opt.zero_grad()
@@ -243,14 +248,21 @@ def fsdp_options_reach_every_block(rank, world_size):
         block = getattr(model, name)
         block.register_forward_pre_hook(
             lambda m, args, name=name: seen.__setitem__(name, str(args[0].dtype)))
-    ft.shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    # A mesh of the caller's own (named): shard_model must use it, not make its own.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_mesh().device_type, (world_size,), mesh_dim_names=("mine",))
+    ft.shard_model(model, mesh=mesh,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    meshes = {name: (p.device_mesh.mesh_dim_names if hasattr(p, "device_mesh") else None)
+              for name, p in model.named_parameters()}
     x, y = batch(rank, 0)
     try:
         F.cross_entropy(model(x), y).backward()
         error = None
     except RuntimeError as exc:  # e.g. "mat1 and mat2 must have the same dtype"
         error = str(exc).splitlines()[0]
-    return {"seen": seen, "error": error}
+    return {"seen": seen, "error": error, "meshes": meshes}
 
 
 def _torch_shard(model):

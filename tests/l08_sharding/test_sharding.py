@@ -109,6 +109,27 @@ def test_measure_bytes_counts_a_plain_model_and_adam(acc):
     opt.step()
     assert acc.measure_bytes(model, opt) == {"params": 4 * P, "grads": 4 * P,
                                              "optimizer": 8 * P, "total": 16 * P}
+    # A sharded parameter (a DTensor, as under FSDP2) counts only the shard this rank stores.
+    class DTensorLike:  # what measure_bytes may use of a DTensor: 10 elements, 5 stored here
+        grad = None
+
+        def numel(self):
+            return 10
+
+        def element_size(self):
+            return 4
+
+        def to_local(self):
+            return torch.zeros(5)
+
+    class Sharded(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([DTensorLike()])
+
+    sharded = acc.measure_bytes(Sharded(), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    assert sharded["params"] == 4 * 5, (
+        f"measure_bytes counted {sharded['params']} bytes for a parameter whose local shard "
+        "holds 5 fp32 elements (20 bytes): count t.to_local() for a DTensor, not its full size")
     # and it agrees with the prediction for N = 1
     assert acc.predict_bytes(P, 1, "zero3")["total"] == 16 * P
 
@@ -187,7 +208,9 @@ def _step_cause(sharded, plain, agree: bool) -> str:
     same = [torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(sharded, plain)]
     return (f"the ranks agree, but {same.count(False)} of {len(same)} parameters differ: step "
             "the inner optimizer once per step, with the outer param_groups' options (the lr "
-            "changes mid-run) copied to it first")
+            "and the weight decay change mid-run) copied to it first: every option, not only "
+            "lr; and one inner group per outer group, an empty one too, or zip(outer, inner) "
+            "gives a group another group's options")
 
 
 @pytest.mark.task("08.3")
@@ -314,6 +337,11 @@ def test_fsdp2_options_reach_every_block():
             f"rank {rank}: with mp_policy(param_dtype=float64) the blocks computed in "
             f"{r['seen']} ({r['error']}): pass shard_model's **fsdp_kwargs to fully_shard for "
             "every block, not only for the root")
+        other = sorted(name for name, dims in r["meshes"].items() if dims != ("mine",))
+        assert not other, (
+            f"rank {rank}: shard_model(model, mesh=...) sharded {other} on another mesh than "
+            "the one it was given: a mesh passed in must be kept (setdefault), only a missing "
+            "one replaced by device_mesh()")
 
 
 @pytest.mark.task("08.5")
