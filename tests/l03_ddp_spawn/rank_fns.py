@@ -143,19 +143,25 @@ def save_on_ranks(rank, world_size, folder):
                           checkpoint_path=Path(folder) / f"own{rank}.pt")
     trainer._save_checkpoint(2)
     dist.barrier()
-    fresh = ConvNet()  # every rank resumes from rank 0's checkpoint, momentum included
-    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    resumed = mod.Trainer(fresh, None, fresh_opt, rank_device(),
-                          resume_from=Path(folder) / "own0.pt")
-    resume = {"epochs_run": resumed.epochs_run,
-              "momentum": [s["momentum_buffer"].cpu().clone()
-                           for s in fresh_opt.state_dict()["state"].values()]}
     with slowed(mod, "save_checkpoint"):
         trainer.checkpoint_path = Path(folder) / "shared.pt"
         trainer._save_checkpoint(3)
         there_on_return = trainer.checkpoint_path.is_file()
     return {"state": {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()},
-            "there_on_return": there_on_return, "resume": resume}
+            "there_on_return": there_on_return}
+
+
+def resume_on_ranks(rank, world_size, path):
+    """Every rank builds a Trainer with ``resume_from=path`` (rank 0's checkpoint, momentum
+    included): the epoch it starts at, and its optimizer's momentum buffers. Run apart from
+    :func:`save_on_ranks`, so that a save bug there cannot turn this into a hang."""
+    mod = _mod()
+    fresh = ConvNet()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    resumed = mod.Trainer(fresh, None, fresh_opt, rank_device(), resume_from=Path(path))
+    return {"epochs_run": resumed.epochs_run,
+            "momentum": [s["momentum_buffer"].cpu().clone()
+                         for s in fresh_opt.state_dict()["state"].values()]}
 
 
 def evaluate_counts(rank, world_size, x, y):

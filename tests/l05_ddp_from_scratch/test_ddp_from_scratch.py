@@ -308,8 +308,8 @@ def test_overlap_unused_parameter_raises_clearly_not_hangs():
         assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
         assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
         assert after is None, (
-            f"after the error for the unused parameter, the next step (every parameter used) "
-            f"failed: {after}: clear self.pending before raising, or later steps see stale work")
+            f"after the error for the unused parameter, {after}: clear self.pending before "
+            f"raising, or later steps see stale work")
 
 
 # --------------------------------------------------------------------------- bucketed DDP
@@ -420,8 +420,8 @@ def test_bucketed_unused_parameter_raises_clearly_not_hangs():
         assert status == "error", "an unused parameter must raise (or be reduced), not pass silently"
         assert "unused" in detail.lower() or "no gradient" in detail.lower(), detail
         assert after is None, (
-            f"after the error for the unused parameter, the next step (every parameter used) "
-            f"failed: {after}: reset self.ready (and self.pending) before raising too, or the "
+            f"after the error for the unused parameter, {after}: reset self.ready (and "
+            f"self.pending) before raising too, or the "
             f"failed step's counts carry over, pass the bucket size, and it never launches")
 
 
