@@ -64,3 +64,50 @@ def slowed(owner, name: str, seconds: float = 1.5):
         yield
     finally:
         setattr(owner, name, real)
+
+
+FAILED_ON_PURPOSE = "training failed on purpose"
+
+
+def run_leaving_the_group(run, fail: bool) -> dict:
+    """In a rank process: call ``run()`` (a lesson's ``run``, which joins the group itself)
+    with ``dpt.cli.train_and_evaluate`` replaced by a stand-in that returns or, with ``fail``,
+    raises. Returns whether the process had left the process group afterwards (``left``) and
+    the stand-in's error if ``run`` let it through (``raised``). Any other error propagates,
+    so a stub's NotImplementedError fails the test with its task's message."""
+    import torch.distributed as dist
+
+    import dpt.cli
+
+    def fake_train_and_evaluate(*args, **kwargs):
+        if fail:
+            raise RuntimeError(FAILED_ON_PURPOSE)
+        return {"accuracy": 1.0}
+
+    real = dpt.cli.train_and_evaluate
+    dpt.cli.train_and_evaluate = fake_train_and_evaluate
+    raised = None
+    try:
+        run()
+    except RuntimeError as exc:
+        if str(exc) != FAILED_ON_PURPOSE:
+            raise
+        raised = str(exc)
+    finally:
+        dpt.cli.train_and_evaluate = real
+    left = not dist.is_initialized()
+    if not left:  # leave anyway, so that the launcher does not hang on a half-closed group
+        dist.destroy_process_group()
+    return {"left": left, "raised": raised}
+
+
+def assert_every_rank_left_the_group(results: list[dict], fail: bool, who: str) -> None:
+    """The test side of :func:`run_leaving_the_group`, for each rank's result."""
+    for rank, r in enumerate(results):
+        if fail:
+            assert r["raised"] == FAILED_ON_PURPOSE, (
+                f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
+        assert r["left"], (
+            f"rank {rank} was still in the process group after run() "
+            f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
+            f"finally block, so the {who} leaves the group whatever happens")

@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
-from tests.helpers import slowed
+from tests.helpers import run_leaving_the_group, slowed
 from tests.lessons import load
 
 LESSON = "03_ddp_spawn"
@@ -184,30 +184,7 @@ def evaluate_counts(rank, world_size, x, y):
 def run_leaves_the_group(rank, world_size, fail):
     """The lesson's ``run`` (one spawned process) with a stand-in for the training: whether it
     returns or raises, the process must have left the process group afterwards."""
-    import dpt.cli
-
-    mod = _mod()
-
-    def fake_train_and_evaluate(*args, **kwargs):
-        if fail:
-            raise RuntimeError("training failed on purpose")
-        return {"accuracy": 1.0}
-
-    real = dpt.cli.train_and_evaluate
-    dpt.cli.train_and_evaluate = fake_train_and_evaluate
     args = Namespace(nodes=1, gpus=world_size, nr=0, device="cpu", timeout=60.0, threads=1,
                      checkpoint=None, resume=None)
-    raised = None
-    try:
-        mod.run(rank, args)
-    except RuntimeError as exc:
-        if str(exc) != "training failed on purpose":
-            raise  # another failure (the stubs' NotImplementedError): the test shows it
-        raised = str(exc)
-    finally:
-        dpt.cli.train_and_evaluate = real
-    left = not dist.is_initialized()
-    if not left:  # leave anyway, so that the helper does not hang on a half-closed group
-        dist.destroy_process_group()
-    return {"left": left, "raised": raised}
+    return run_leaving_the_group(lambda: _mod().run(rank, args), fail)
 

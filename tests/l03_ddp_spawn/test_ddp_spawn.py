@@ -19,7 +19,12 @@ from dpt.device import DeviceError
 from dpt.dist import LaunchError, cpu_budget, find_free_port
 from dpt.models import ConvNet
 from dpt.testing import run_distributed
-from tests.helpers import one_line_error, requires_data, run_script
+from tests.helpers import (
+    assert_every_rank_left_the_group,
+    one_line_error,
+    requires_data,
+    run_script,
+)
 from tests.l03_ddp_spawn import rank_fns
 from tests.lessons import REPO, script
 
@@ -279,14 +284,7 @@ def test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b():
 def test_each_process_leaves_the_group_when_run_ends(fail):
     results = run_distributed(rank_fns.run_leaves_the_group, WS, args=(fail,), backend=None,
                               timeout=100)
-    for rank, r in enumerate(results):
-        if fail:
-            assert r["raised"] == "training failed on purpose", (
-                f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
-        assert r["left"], (
-            f"rank {rank} was still in the process group after run() "
-            f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
-            "finally block, so the process leaves the group whatever happens")
+    assert_every_rank_left_the_group(results, fail, "process")
 
 
 # ------------------------------------------------------------------ the launch checks

@@ -17,7 +17,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
-from tests.helpers import slowed
+from tests.helpers import run_leaving_the_group, slowed
 from tests.lessons import load
 
 LESSON = "04_ddp_torchrun"
@@ -129,31 +129,8 @@ def run_leaves_the_group(rank, world_size, fail):
     returns or raises, the process must have left the process group afterwards."""
     from argparse import Namespace
 
-    import dpt.cli
-
-    mod = _mod()
-
-    def fake_train_and_evaluate(*args, **kwargs):
-        if fail:
-            raise RuntimeError("training failed on purpose")
-        return {"accuracy": 1.0}
-
-    real = dpt.cli.train_and_evaluate
-    dpt.cli.train_and_evaluate = fake_train_and_evaluate
     args = Namespace(device="cpu", timeout=60.0, threads=1, snapshot=None)
-    raised = None
-    try:
-        mod.run(args)
-    except RuntimeError as exc:
-        if str(exc) != "training failed on purpose":
-            raise  # another failure (the stubs' NotImplementedError): the test shows it
-        raised = str(exc)
-    finally:
-        dpt.cli.train_and_evaluate = real
-    left = not dist.is_initialized()
-    if not left:  # leave anyway, so that the helper does not hang on a half-closed group
-        dist.destroy_process_group()
-    return {"left": left, "raised": raised}
+    return run_leaving_the_group(lambda: _mod().run(args), fail)
 
 
 def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:

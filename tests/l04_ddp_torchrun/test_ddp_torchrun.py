@@ -15,6 +15,7 @@ from dpt import cli
 from dpt.checkpoint import CheckpointError
 from dpt.models import ConvNet
 from dpt.testing import run_distributed
+from tests.helpers import assert_every_rank_left_the_group
 from tests.l04_ddp_torchrun import rank_fns
 from tests.lessons import load
 
@@ -302,14 +303,7 @@ def test_a_resumed_run_replays_the_snapshots_data_order(resumed):
 def test_each_worker_leaves_the_group_when_run_ends(fail):
     results = run_distributed(rank_fns.run_leaves_the_group, 2, args=(fail,), backend=None,
                               timeout=100)
-    for rank, r in enumerate(results):
-        if fail:
-            assert r["raised"] == "training failed on purpose", (
-                f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
-        assert r["left"], (
-            f"rank {rank} was still in the process group after run() "
-            f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
-            "finally block, so the worker leaves the group whatever happens")
+    assert_every_rank_left_the_group(results, fail, "worker")
 
 
 # ------------------------------------------------------------------ the CLI (not a task)
