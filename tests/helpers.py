@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpt.data import is_present
 from dpt.notebook import script_env
@@ -111,3 +112,101 @@ def assert_every_rank_left_the_group(results: list[dict], fail: bool, who: str) 
             f"rank {rank} was still in the process group after run() "
             f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
             f"finally block, so the {who} leaves the group whatever happens")
+
+
+class MoveRecorder:
+    """Which watched tensors and modules were sent to which device with ``.to()``.
+
+    On a CPU every tensor already sits on the training device, so a forgotten
+    ``.to(device)`` changes no number: it shows only on a GPU, as "Expected all tensors to be
+    on the same device". This recorder sees the call itself. A tensor counts as sent when
+    ``.to`` was called on it, or on a view that starts where it starts (``x[:keep]``), with
+    the device asked for. Watched tensors are kept alive, so their addresses stay theirs.
+    """
+
+    def __init__(self):
+        self.watched: list[torch.Tensor] = []
+        self.sent: dict[int, set] = {}  # data_ptr -> devices asked for
+        self.modules: dict[int, set] = {}  # id(module) -> devices asked for
+        self.kept: list = []  # the modules, alive
+
+    def watch(self, *tensors) -> None:
+        self.watched.extend(t for t in tensors if isinstance(t, torch.Tensor))
+
+    def loader(self, loader) -> WatchedLoader:
+        """``loader``, with every tensor of every batch it gives watched."""
+        return WatchedLoader(loader, self)
+
+    def unsent(self, device) -> list[torch.Tensor]:
+        device = torch.device(device)
+        return [t for t in self.watched if device not in self.sent.get(t.data_ptr(), ())]
+
+    def module_sent(self, module, device) -> bool:
+        return torch.device(device) in self.modules.get(id(module), ())
+
+
+class WatchedLoader:
+    """Iterates like the loader it wraps (and passes on its attributes, e.g. ``sampler``);
+    the recorder watches every tensor of every batch."""
+
+    def __init__(self, loader, recorder: MoveRecorder):
+        self._loader, self._recorder = loader, recorder
+
+    def __iter__(self):
+        for batch in self._loader:
+            self._recorder.watch(*batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _asked_device(args: tuple, kwargs: dict):
+    kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+    try:
+        return torch._C._nn._parse_to(*args, **kwargs)[0]
+    except (TypeError, RuntimeError):
+        return None
+
+
+@contextmanager
+def recording_moves():
+    """While the block runs, ``Tensor.to`` and ``Module.to`` report to a
+    :class:`MoveRecorder` (yielded); they still move as before."""
+    recorder = MoveRecorder()
+    tensor_to, module_to = torch.Tensor.to, torch.nn.Module.to
+
+    def spy_tensor_to(self, *args, **kwargs):
+        device = _asked_device(args, kwargs)
+        if device is not None:
+            recorder.sent.setdefault(self.data_ptr(), set()).add(device)
+        return tensor_to(self, *args, **kwargs)
+
+    def spy_module_to(self, *args, **kwargs):
+        device = _asked_device(args, kwargs)
+        if device is not None:
+            recorder.modules.setdefault(id(self), set()).add(device)
+            recorder.kept.append(self)
+        return module_to(self, *args, **kwargs)
+
+    torch.Tensor.to, torch.nn.Module.to = spy_tensor_to, spy_module_to
+    try:
+        yield recorder
+    finally:
+        torch.Tensor.to, torch.nn.Module.to = tensor_to, module_to
+
+
+def unsent_message(recorder: MoveRecorder, device, what: str, where: str) -> str:
+    """Why a test fails when some of ``what`` never went to ``device``: '' when all did."""
+    unsent = recorder.unsent(device)
+    if not recorder.watched:
+        return f"no {what} came out of the loader: {where} did not iterate it"
+    if not unsent:
+        return ""
+    return (f"{len(unsent)} of the {len(recorder.watched)} tensors of {what} were never sent "
+            f"to the device with .to(device) in {where}. Nothing shows on a CPU, but on a "
+            f"GPU the weights sit on cuda and these stay on the CPU: 'Expected all tensors to "
+            f"be on the same device'. Move the inputs and the targets.")

@@ -15,7 +15,13 @@ from torch import nn
 from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
 from dpt.models import MLP, ConvNet
-from tests.helpers import one_line_error, requires_data, run_script
+from tests.helpers import (
+    one_line_error,
+    recording_moves,
+    requires_data,
+    run_script,
+    unsent_message,
+)
 from tests.lessons import load, script
 
 LESSON = "01_single_device"
@@ -284,6 +290,33 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
         "pass limit_batches on to _run_epoch")
     assert modes and all(modes), "an epoch must train in training mode (model.train())"
 
+
+
+@pytest.mark.task("01.1")
+def test_the_trainer_sends_the_model_and_every_batch_to_its_device(sd):
+    x, y = _separable(48)
+    torch.manual_seed(0)
+    model = MLP()
+    with recording_moves() as moves:
+        trainer = sd.Trainer(model, moves.loader(sd.prepare_dataloader(x, y, 16)),
+                             torch.optim.SGD(model.parameters(), lr=0.05), CPU)
+        trainer.train(1)
+    assert moves.module_sent(model, CPU) or moves.module_sent(trainer.model, CPU), (
+        "the Trainer never sent the model to its device: on a GPU the weights would stay on "
+        "the CPU. Move it in __init__ (model.to(device))")
+    problem = unsent_message(moves, CPU, "the training batches", "the Trainer's epoch loop")
+    assert not problem, problem
+
+
+@pytest.mark.task("01.2")
+def test_evaluate_sends_every_batch_to_the_device(sd):
+    x, y = _batch(20)
+    torch.manual_seed(0)
+    model = MLP()
+    with recording_moves() as moves:
+        sd.evaluate(model, moves.loader(TensorLoader(x, y, batch_size=8)), CPU)
+    problem = unsent_message(moves, CPU, "the evaluation batches", "evaluate")
+    assert not problem, problem
 
 def test_prepare_dataloader_shuffles_by_its_seed_and_every_epoch_differently(sd):
     x = torch.arange(64).float()[:, None]

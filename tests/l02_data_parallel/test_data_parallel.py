@@ -18,7 +18,13 @@ from torch import nn
 from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
 from dpt.models import MLP, ConvNet
-from tests.helpers import one_line_error, requires_data, run_script
+from tests.helpers import (
+    one_line_error,
+    recording_moves,
+    requires_data,
+    run_script,
+    unsent_message,
+)
 from tests.l02_data_parallel import reference as ref
 from tests.lessons import load, script
 
@@ -417,16 +423,24 @@ def test_eval_mode_batch_norm_model_matches_and_no_grad_builds_no_graph(dbh):
 def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
     model = _model("convnet")
     single = copy.deepcopy(model)
-    dp, root = dp_mod.wrap(model)
+    with recording_moves() as moves:
+        dp, root = dp_mod.wrap(model)
     assert isinstance(dp, nn.DataParallel) and dp.module is model
     expected_root = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu"
     assert root.type == expected_root
     assert next(model.parameters()).device.type == expected_root
+    assert moves.module_sent(model, root), (
+        "wrap never sent the model to the root device: nn.DataParallel needs the weights on "
+        "device_ids[0] before it wraps them. Move it first (model.to(root))")
     opt = torch.optim.SGD(dp.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(single.parameters(), lr=0.05)
     for step in range(3):
         x, y = _data(6, seed=step)
-        dp_mod.train_step(dp, (x, y), opt, root)
+        with recording_moves() as moves:
+            moves.watch(x, y)
+            dp_mod.train_step(dp, (x, y), opt, root)
+        problem = unsent_message(moves, root, "the batch", "train_step")
+        assert not problem, problem
         ref_opt.zero_grad()
         F.cross_entropy(single(x), y).backward()
         ref_opt.step()

@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
-from tests.helpers import run_leaving_the_group, slowed
+from tests.helpers import recording_moves, run_leaving_the_group, slowed, unsent_message
 from tests.lessons import load
 
 LESSON = "03_ddp_spawn"
@@ -107,11 +107,16 @@ def trainer_sampler_passes(rank, world_size, start_epoch, max_epochs):
     sampler = SpySampler(range(len(x)), num_replicas=world_size, rank=rank, shuffle=True, seed=3)
     torch.manual_seed(0)
     model = ConvNet()
-    trainer = mod.Trainer(model, TensorLoader(x, y, batch_size=8, sampler=sampler),
-                          torch.optim.SGD(model.parameters(), lr=0.01), rank_device())
-    trainer.epochs_run = start_epoch
-    trainer.train(max_epochs, limit_batches=2)
-    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run}
+    with recording_moves() as moves:
+        trainer = mod.Trainer(model, moves.loader(TensorLoader(x, y, batch_size=8,
+                                                               sampler=sampler)),
+                              torch.optim.SGD(model.parameters(), lr=0.01), rank_device())
+        trainer.epochs_run = start_epoch
+        trainer.train(max_epochs, limit_batches=2)
+    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run,
+            "model_sent": moves.module_sent(model, rank_device()),
+            "unsent": unsent_message(moves, rank_device(), "the training batches",
+                                     "the Trainer's epoch loop")}
 
 
 def ddp_steps(rank, world_size, x, y, per_rank, steps, lr):
@@ -173,12 +178,15 @@ def evaluate_counts(rank, world_size, x, y):
     model.register_forward_hook(lambda m, args, out: graphs.append(out.requires_grad))
     sampler = DistributedSampler(range(len(x)), shuffle=False)
     loader = TensorLoader(x, y, batch_size=16, sampler=sampler)
-    counts = mod.evaluate(model, loader, rank_device())
+    with recording_moves() as moves:
+        counts = mod.evaluate(model, moves.loader(loader), rank_device())
     training_after = model.training
     model.eval()  # and a model that was in eval mode stays in eval mode
     again = mod.evaluate(model, loader, rank_device())
     return {"counts": counts, "training_after": training_after, "again": again,
-            "eval_after": not model.training, "graphs": graphs}
+            "eval_after": not model.training, "graphs": graphs,
+            "unsent": unsent_message(moves, rank_device(), "this rank's test batches",
+                                     "evaluate")}
 
 
 def run_leaves_the_group(rank, world_size, fail):

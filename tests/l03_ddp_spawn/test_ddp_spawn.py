@@ -171,6 +171,10 @@ def test_every_epoch_has_its_own_order_the_same_on_every_rank():
         orders = [o for _, o in r["passes"]]
         assert len({tuple(o) for o in orders}) == 3, "the data order repeats across epochs"
         assert r["epochs_run"] == 3
+        assert r["model_sent"], (
+            "the Trainer never sent the model to its device: on a GPU the weights would stay "
+            "on the CPU. Move it in __init__ (model.to(device)), before DDP wraps it")
+        assert not r["unsent"], r["unsent"]
     for e in range(3):
         a, b = results[0]["passes"][e][1], results[1]["passes"][e][1]
         assert not set(a) & set(b), f"epoch {e}: the ranks' shares overlap"
@@ -245,6 +249,7 @@ def test_accuracy_counts_the_whole_test_set_once():
         assert r["graphs"] and not any(r["graphs"]), (
             f"rank {rank}: evaluate built an autograd graph for every batch (memory and time "
             "for nothing): predict under torch.no_grad() (keep the @torch.no_grad() decorator)")
+        assert not r["unsent"], f"rank {rank}: {r['unsent']}"
         assert r["training_after"], "evaluate must restore training mode"
         assert tuple(int(c) for c in r["again"]) == expected, (
             f"rank {rank}: a second evaluate gives {r['again']}, not {expected}")

@@ -67,18 +67,20 @@ def save_on_ranks(rank: int, world_size: int, folder: str) -> dict:
 
     import ddp_amp  # the lesson module, from the tree under test
 
-    from tests.helpers import slowed
+    from tests.helpers import recording_moves, slowed
 
     torch.manual_seed(0)
     model = ConvNet(batch_norm=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 7)
-    trainer = ddp_amp.Trainer(model, None, opt, torch.device("cpu"), scaler=scaler,
-                              checkpoint_path=Path(folder) / f"own{rank}.pt")
+    with recording_moves() as moves:
+        trainer = ddp_amp.Trainer(model, None, opt, torch.device("cpu"), scaler=scaler,
+                                  checkpoint_path=Path(folder) / f"own{rank}.pt")
     trainer._save_checkpoint(2)
     dist.barrier()
     with slowed(ddp_amp, "save_checkpoint"):
         trainer.checkpoint_path = Path(folder) / "shared.pt"
         trainer._save_checkpoint(3)
         there_on_return = trainer.checkpoint_path.is_file()
-    return {"there_on_return": there_on_return}
+    return {"there_on_return": there_on_return,
+            "model_sent": moves.module_sent(model, "cpu")}

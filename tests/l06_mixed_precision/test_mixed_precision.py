@@ -637,6 +637,9 @@ def test_only_rank0_saves_and_every_rank_waits_for_the_file(tmp_path):
     assert all(r["there_on_return"] for r in results), (
         "a rank went on before rank 0 had written the checkpoint: wait for it (dist.barrier() "
         "after the save, on every rank)")
+    assert all(r["model_sent"] for r in results), (
+        "the Trainer never sent the model to its device: on a GPU the weights would stay on "
+        "the CPU. Move it in __init__ (model.to(device)), before DDP wraps it")
 
 
 # ---------------------------------------------------------------- 06.3 DDP's dtypes
