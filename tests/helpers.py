@@ -210,3 +210,96 @@ def unsent_message(recorder: MoveRecorder, device, what: str, where: str) -> str
             f"to the device with .to(device) in {where}. Nothing shows on a CPU, but on a "
             f"GPU the weights sit on cuda and these stay on the CPU: 'Expected all tensors to "
             f"be on the same device'. Move the inputs and the targets.")
+
+
+_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
+              "rand", "randn", "randint", "eye")
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+                "all_to_all_single", "send", "recv", "batch_isend_irecv")
+# (not isend and irecv: dist.P2POp checks its op is the real one, by identity)
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, list | tuple):
+            for b in a:
+                if isinstance(getattr(b, "tensor", None), torch.Tensor):  # a dist.P2POp
+                    b = b.tensor
+                if isinstance(b, torch.Tensor):
+                    found.append(b)
+    return found
+
+
+class CollectiveWatch(torch.overrides.TorchFunctionMode):
+    """NCCL's rule, checked on a CPU: every tensor a collective gets must be on the device.
+
+    Under gloo a CPU tensor goes through, and under NCCL the same call fails ("No backend
+    type associated with device type cpu"). The watch remembers each tensor that a factory
+    (``torch.tensor``, ``torch.zeros``, ...) made, with the ``device=`` it was given (moved
+    later with ``.to(device)`` counts too). A collective given such a tensor, not made on
+    ``device``, is written down in ``problems``; the collective still runs, so no rank hangs.
+    Tensors computed from others (a model's output, gradients) inherit their device and are
+    not judged here.
+    """
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.made: dict[int, tuple[torch.Tensor, str, torch.device | None]] = {}
+        self.problems: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if isinstance(out, torch.Tensor):  # (Tensor.to may be recording_moves' spy)
+            if name in _FACTORIES and getattr(torch, name, None) is func:
+                device = kwargs.get("device")
+                self.made[id(out)] = (out, name, None if device is None else torch.device(device))
+            elif (name == "to" or func is torch.Tensor.to) and args and id(args[0]) in self.made:
+                device = _asked_device(args[1:], kwargs)
+                if device is not None:
+                    for t in {id(args[0]): args[0], id(out): out}.values():
+                        self.made[id(t)] = (t, self.made[id(args[0])][1], device)
+        return out
+
+    def check(self, collective: str, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            entry = self.made.get(id(t))
+            if entry is None or entry[0] is not t or entry[2] == self.device:
+                continue
+            where = "without device=" if entry[2] is None else f"on {entry[2]}"
+            self.problems.append(
+                f"dist.{collective} was given a tensor that torch.{entry[1]}(...) made "
+                f"{where}, so it lives on the CPU, not on the rank's device. Gloo takes it; "
+                f"NCCL takes only CUDA tensors, and on GPUs this call fails. Make it on the "
+                f"device: torch.{entry[1]}(..., device=device)")
+
+
+@contextmanager
+def watching_collectives(device):
+    """While the block runs, :class:`CollectiveWatch` (yielded) judges every collective of
+    ``torch.distributed``."""
+    import torch.distributed as dist
+
+    watch = CollectiveWatch(device)
+    real = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def judged(name, fn):
+        def collective(*args, **kwargs):
+            watch.check(name, _tensors_in(args, kwargs))
+            return fn(*args, **kwargs)
+        return collective
+
+    for name, fn in real.items():
+        setattr(dist, name, judged(name, fn))
+    try:
+        with watch:
+            yield watch
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)

@@ -123,7 +123,7 @@ def _median_seconds(fn, repeats: int, device: torch.device) -> float:
         synchronize(device)  # the clock reads finished work, not queued work
         times.append(time.perf_counter() - start)
     # The slowest rank decides when a collective is done.
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 

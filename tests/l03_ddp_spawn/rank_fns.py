@@ -13,7 +13,13 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
-from tests.helpers import recording_moves, run_leaving_the_group, slowed, unsent_message
+from tests.helpers import (
+    recording_moves,
+    run_leaving_the_group,
+    slowed,
+    unsent_message,
+    watching_collectives,
+)
 from tests.lessons import load
 
 LESSON = "03_ddp_spawn"
@@ -178,7 +184,7 @@ def evaluate_counts(rank, world_size, x, y):
     model.register_forward_hook(lambda m, args, out: graphs.append(out.requires_grad))
     sampler = DistributedSampler(range(len(x)), shuffle=False)
     loader = TensorLoader(x, y, batch_size=16, sampler=sampler)
-    with recording_moves() as moves:
+    with recording_moves() as moves, watching_collectives(rank_device()) as watch:
         counts = mod.evaluate(model, moves.loader(loader), rank_device())
     training_after = model.training
     model.eval()  # and a model that was in eval mode stays in eval mode
@@ -186,7 +192,8 @@ def evaluate_counts(rank, world_size, x, y):
     return {"counts": counts, "training_after": training_after, "again": again,
             "eval_after": not model.training, "graphs": graphs,
             "unsent": unsent_message(moves, rank_device(), "this rank's test batches",
-                                     "evaluate")}
+                                     "evaluate"),
+            "collective_problems": watch.problems}
 
 
 def run_leaves_the_group(rank, world_size, fail):

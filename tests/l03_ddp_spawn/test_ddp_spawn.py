@@ -250,6 +250,7 @@ def test_accuracy_counts_the_whole_test_set_once():
             f"rank {rank}: evaluate built an autograd graph for every batch (memory and time "
             "for nothing): predict under torch.no_grad() (keep the @torch.no_grad() decorator)")
         assert not r["unsent"], f"rank {rank}: {r['unsent']}"
+        assert not r["collective_problems"], f"rank {rank}: {r['collective_problems'][0]}"
         assert r["training_after"], "evaluate must restore training mode"
         assert tuple(int(c) for c in r["again"]) == expected, (
             f"rank {rank}: a second evaluate gives {r['again']}, not {expected}")

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import dpt.dist
+from tests.helpers import watching_collectives
 from tests.lessons import load
 
 LESSON = "05_ddp_from_scratch"
@@ -611,10 +612,20 @@ def unused_on_one_rank(rank, world_size, variant, task=None):
 
 def collectives_rank(rank, world_size):
     log = CommLog()
-    with instrumented(log):
+    with instrumented(log), watching_collectives(device()) as watch:
         out = load(LESSON, "collectives").check_collectives(rank, world_size)
     out["devices"] = sorted({d for *_, d, _ in log.calls if d})
+    out["problems"] = watch.problems
     return out
+
+
+def timing_rank(rank, world_size):
+    """The lesson's all-reduce timing, at two tiny sizes, with every collective judged by
+    NCCL's rule (its tensors on the rank's device)."""
+    with watching_collectives(device()) as watch:
+        out = load(LESSON, "collectives").time_all_reduce(rank, world_size, [64, 256],
+                                                          repeats=2)
+    return {"rows": out["rows"], "problems": watch.problems}
 
 
 def ring_rank(rank, world_size, shapes):

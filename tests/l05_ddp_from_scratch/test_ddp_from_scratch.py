@@ -114,6 +114,8 @@ def test_each_collective_returns_what_it_must():
     results = run_distributed(rf.collectives_rank, world_size=2, timeout=30)
     for out in results:
         assert out.pop("devices") == [str(rf.device())], "a collective input off rank_device()"
+        problems = out.pop("problems")
+        assert not problems, problems[0]
     for key in ("broadcast", "all_reduce", "all_gather"):
         assert results[0][key] == results[1][key], key
     assert [r["reduce_scatter"] for r in results] == [[1.0], [3.0]]
@@ -129,6 +131,16 @@ def test_ring_all_reduce_equals_dist_all_reduce(world_size):
         for shape, (value_ok, in_place_ok, same_tensor) in zip(shapes + ["view"], rank_result):
             assert value_ok, f"ring all-reduce of {shape} differs from dist.all_reduce"
             assert in_place_ok and same_tensor, f"{shape}: the input tensor must hold the sum"
+
+
+@pytest.mark.timeout(60)
+def test_the_timing_gives_every_collective_a_tensor_on_the_rank_device():
+    """The timing's own bookkeeping (the slowest rank's median, agreed by an all-reduce) is
+    a collective too: under NCCL its tensor must be on the GPU."""
+    for rank, out in enumerate(run_distributed(rf.timing_rank, world_size=2, timeout=40)):
+        assert not out["problems"], f"rank {rank}: {out['problems'][0]}"
+        assert [r["bytes"] for r in out["rows"]] == [64, 256]
+        assert all(r["ring_s"] > 0 and r["torch_s"] > 0 for r in out["rows"]), out["rows"]
 
 
 def test_ring_model_fit_recovers_a_known_bandwidth():
