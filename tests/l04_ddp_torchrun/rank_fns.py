@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -117,10 +118,12 @@ def resume_from_snapshot(rank, world_size, path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
     start = {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
+    optimizer = copy.deepcopy(opt.state_dict())  # training goes on to change it in place
     epochs_run = trainer.epochs_run
     trainer.snapshot_path = None  # train without writing over the test's snapshot
     trainer.train(epochs_run + 2, limit_batches=2)
-    return {"start": start, "epochs_run": epochs_run, "passes": trainer.train_data.sampler.passes,
+    return {"start": start, "optimizer": optimizer, "epochs_run": epochs_run,
+            "passes": trainer.train_data.sampler.passes,
             "end": {k: v.detach().cpu() for k, v in trainer.model.module.named_parameters()}}
 
 

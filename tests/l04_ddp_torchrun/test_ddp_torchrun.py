@@ -295,6 +295,37 @@ def test_a_resumed_run_replays_the_snapshots_data_order(resumed):
             "the data order is not the snapshot's: restore the sampler's seed from it")
 
 
+@pytest.mark.task("04.5")
+@pytest.mark.timeout(150)
+def test_a_snapshot_from_another_world_size_resumes_at_its_epoch(tmp_path):
+    """Written by 2 ranks, resumed by 1: only the random states are not restored (they belong
+    to ranks that no longer exist: load_snapshot's exact=False); the epoch, the weights, the
+    optimizer's state and the sampler's seed come back all the same."""
+    path = tmp_path / "snap.pt"
+    model, opt, _ = _reference_snapshot(path, world_size=2, epoch=3, seed=11)
+    (res,) = run_distributed(rank_fns.resume_from_snapshot, 1, args=(str(path),), timeout=120)
+    assert res["epochs_run"] == 3, (
+        f"a snapshot written by 2 ranks, resumed by 1, restarted at epoch {res['epochs_run']}, "
+        "not at the snapshot's 3: another world size only means the random states are not "
+        "restored (info['exact'] is False); set epochs_run from info['epoch'] whatever it is")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(res["start"][k], v, msg=lambda m, k=k: (
+            f"resumed at another world size, the Trainer did not start from the snapshot's "
+            f"weights ({k})\n{m}"))
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"]
+    torch.testing.assert_close(
+        res["optimizer"]["state"][0]["momentum_buffer"], momentum, msg=lambda m: (
+            "resumed at another world size, the optimizer's state (momentum) is not the "
+            f"snapshot's\n{m}"))
+    assert [e for e, _ in res["passes"]] == [3, 4], (
+        f"a run resumed at epoch 3 trained epochs {[e for e, _ in res['passes']]}, not [3, 4]")
+    expected = DistributedSampler(range(64), num_replicas=1, rank=0, shuffle=True, seed=11)
+    expected.set_epoch(3)
+    assert res["passes"][0][1] == list(expected), (
+        "resumed at another world size, the data order is not the snapshot's: restore the "
+        "sampler's seed from it whatever the world size")
+
+
 # ------------------------------------------------------------------ leaving (not a task)
 
 

@@ -142,6 +142,51 @@ def test_logged_validation_metrics_cover_the_whole_set_on_one_device(lf):
     assert metrics["val_loss"] == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.timeout(120)
+def test_test_accuracy_is_logged_once_per_epoch_over_every_rank(lf):
+    """``test_step`` is given code, not a task: it logs the torchmetrics object, which
+    Lightning computes once at the end of the epoch, summing the counts of every rank. On one
+    device a per-batch value (``on_step=True``), or a plain tensor without ``sync_dist``,
+    averages to the same number, so the test also looks at how each batch logs test_acc."""
+    from torchmetrics import Metric
+
+    model = lf.LitClassifier()
+    real_log, calls = model.log, []
+
+    def spy(*args, **kwargs):  # the log calls test_step makes, with Lightning's defaults
+        bound = inspect.signature(real_log).bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return real_log(*args, **kwargs)
+
+    model.log = spy
+    x, y = _synthetic(96, seed=4)
+    ds = TensorDataset(x, y)
+    metrics = _trainer().test(model, DataLoader(ds, batch_size=32), verbose=False)[0]
+    logged = [c for c in calls if c["name"] == "test_acc"]
+    assert len(logged) == 3, (
+        f"test_step logged 'test_acc' {len(logged)} times for 3 test batches: log it in every "
+        "test_step, as the given code does")
+    for call in logged:
+        assert call["on_step"] is not True and call["on_epoch"] is not False, (
+            f"test_acc is logged with on_step={call['on_step']}, on_epoch={call['on_epoch']}: "
+            "that is a per-batch accuracy, and under ddp each rank reports its own batches. "
+            "Log it once per epoch (test_step's default: no on_step/on_epoch), so Lightning "
+            "computes it over the whole test set of every rank")
+        assert isinstance(call["value"], Metric) or call["sync_dist"] is True, (
+            f"test_acc is logged as a plain {type(call['value']).__name__} without "
+            "sync_dist=True: under ddp each rank then reports the accuracy of its own share "
+            "of the test set. Log the Metric object self.test_acc (its compute() sums every "
+            "rank's counts), as the given code does, or the tensor with sync_dist=True")
+    assert "test_acc" in metrics, (
+        f"Trainer.test() reports no epoch value for test_acc (it got {metrics}): log it per "
+        "epoch (test_step's default), not with on_step=True, on_epoch=False")
+    acc, _, _, _ = _whole_set(model, ds)
+    assert metrics["test_acc"] == pytest.approx(acc, abs=1e-6), (
+        f"Trainer.test() reports test_acc {metrics['test_acc']:.4f}, not the whole test set's "
+        f"accuracy {acc:.4f}: update self.test_acc with every batch and log the Metric object")
+
+
 # ------------------------------------------------------------------ 07.3 prepare vs setup
 
 

@@ -391,3 +391,12 @@ def sharded_state_dict_round_trip(rank, world_size, steps=2):
     except ValueError as exc:
         other = str(exc)
     return {"diff": diff, "other": other}
+
+
+def train_worker_losses(rank, world_size, steps=2, batch_size=8, seed=0):
+    """The lesson's ``train_worker`` under DDP (given code, no task's answer in its way):
+    the losses it reports, which every rank must agree on."""
+    ft = load(LESSON, "fsdp2_train")
+    out = ft.train_worker(rank, world_size, mode="ddp", steps=steps, batch_size=batch_size,
+                          seed=seed)
+    return {"losses": out["losses"]}

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from dpt.models import ConvNet
+from dpt.models import ConvNet, build_model
 from dpt.testing import run_distributed
 from tests.helpers import one_line_error, run_script
 from tests.l08_sharding import rank_fns
@@ -372,6 +373,38 @@ def test_lightning_fsdp_explains_itself_on_cpu():
     proc = run_script(script(LESSON, "fsdp2_train.py"), "--lightning", timeout=250)
     assert proc.returncode == 2
     assert "GPU" in one_line_error(proc) and "fully_shard" in one_line_error(proc)
+
+
+@pytest.mark.timeout(150)
+def test_train_worker_reports_the_loss_averaged_over_the_ranks():
+    """train_worker is given code: its losses are the mean over the ranks, as one logs them.
+    FSDP2 and DDP report through the same all_reduce, so comparing them cannot see a sum; the
+    first step's loss can be computed apart: the same seeded weights, each rank's own batch
+    (batch norm normalizes each rank's batch alone), the mean of the three ranks' losses."""
+    ft = load(LESSON, "fsdp2_train")
+    world_size, batch_size, seed = 3, 8, 0
+    ranks = run_distributed(rank_fns.train_worker_losses, world_size=world_size, timeout=120,
+                            kwargs={"steps": 2, "batch_size": batch_size, "seed": seed})
+    per_rank = []
+    for rank in range(world_size):  # the first step happens before any update
+        torch.manual_seed(seed)
+        model = build_model("convnet").train()
+        x, y = ft.synthetic_batch(rank, 0, batch_size, seed)
+        with torch.no_grad():
+            per_rank.append(F.cross_entropy(model(x), y).item())
+    mean = sum(per_rank) / world_size
+    for rank, r in enumerate(ranks):
+        assert len(r["losses"]) == 2, f"rank {rank} reported {len(r['losses'])} losses, not 2"
+        first = r["losses"][0]
+        ratio = first / mean
+        cause = ("the sum of the ranks' losses: divide the all_reduce'd losses by the world "
+                 "size" if ratio == pytest.approx(world_size, rel=1e-4) else
+                 "divided by 2, not by the world size 3" if ratio == pytest.approx(1.5, rel=1e-4)
+                 else "not the mean of the ranks' losses")
+        assert first == pytest.approx(mean, rel=1e-5), (
+            f"rank {rank}: train_worker on {world_size} ranks reported a first loss of "
+            f"{first:.4f}, not {mean:.4f}, the mean of the ranks' losses {per_rank}: {cause}")
+        assert r["losses"] == ranks[0]["losses"], "the ranks report different losses"
 
 
 @pytest.mark.timeout(150)
