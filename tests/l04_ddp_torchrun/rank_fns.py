@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 from dpt.data import TensorLoader
 from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
-from tests.helpers import run_leaving_the_group, slowed
+from tests.helpers import recording_moves, run_leaving_the_group, slowed
 from tests.lessons import load
 
 LESSON = "04_ddp_torchrun"
@@ -116,7 +116,8 @@ def resume_from_snapshot(rank, world_size, path):
     torch.manual_seed(100 + rank)  # different initial weights on purpose
     model = ConvNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
+    with recording_moves() as moves:
+        trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
     start = {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
     optimizer = copy.deepcopy(opt.state_dict())  # training goes on to change it in place
     epochs_run = trainer.epochs_run
@@ -124,6 +125,7 @@ def resume_from_snapshot(rank, world_size, path):
     trainer.train(epochs_run + 2, limit_batches=2)
     return {"start": start, "optimizer": optimizer, "epochs_run": epochs_run,
             "passes": trainer.train_data.sampler.passes,
+            "model_sent": moves.module_sent(model, rank_device()),
             "end": {k: v.detach().cpu() for k, v in trainer.model.module.named_parameters()}}
 
 

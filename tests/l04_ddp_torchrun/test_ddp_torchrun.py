@@ -274,6 +274,10 @@ def test_every_rank_starts_from_the_snapshot(resumed):
     model, out = resumed
     for rank, res in enumerate(out):
         assert res["epochs_run"] == 1, "the Trainer must resume at the snapshot's epoch"
+        assert res["model_sent"], (
+            f"rank {rank}: the Trainer never sent the model to its device: on a GPU the "
+            "weights would stay on the CPU. Move it in __init__ (model.to(device)), before "
+            "the snapshot is loaded and DDP wraps it")
         for k, v in model.state_dict().items():
             torch.testing.assert_close(res["start"][k], v,
                                        msg=f"rank {rank} did not start from the snapshot ({k})")

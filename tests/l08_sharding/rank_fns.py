@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dpt.dist import device_mesh
+from dpt.dist import device_mesh, rank_device
 from dpt.models import ConvNet
+from tests.helpers import recording_moves, unsent_message
 from tests.lessons import load
 
 LESSON = "08_sharding"
@@ -397,6 +398,24 @@ def train_worker_losses(rank, world_size, steps=2, batch_size=8, seed=0):
     """The lesson's ``train_worker`` under DDP (given code, no task's answer in its way):
     the losses it reports, which every rank must agree on."""
     ft = load(LESSON, "fsdp2_train")
-    out = ft.train_worker(rank, world_size, mode="ddp", steps=steps, batch_size=batch_size,
-                          seed=seed)
-    return {"losses": out["losses"]}
+    built, real_build, real_batch = [], ft.build_model, ft.synthetic_batch
+    with recording_moves() as moves:
+        def build(*args, **kwargs):
+            built.append(real_build(*args, **kwargs))
+            return built[-1]
+
+        def batch(*args, **kwargs):
+            x, y = real_batch(*args, **kwargs)
+            moves.watch(x, y)
+            return x, y
+
+        ft.build_model, ft.synthetic_batch = build, batch
+        try:
+            out = ft.train_worker(rank, world_size, mode="ddp", steps=steps,
+                                  batch_size=batch_size, seed=seed)
+        finally:
+            ft.build_model, ft.synthetic_batch = real_build, real_batch
+    return {"losses": out["losses"],
+            "model_sent": bool(built) and moves.module_sent(built[0], rank_device()),
+            "unsent": unsent_message(moves, rank_device(), "the training batches",
+                                     "train_worker")}

@@ -380,7 +380,8 @@ def test_train_worker_reports_the_loss_averaged_over_the_ranks():
     """train_worker is given code: its losses are the mean over the ranks, as one logs them.
     FSDP2 and DDP report through the same all_reduce, so comparing them cannot see a sum; the
     first step's loss can be computed apart: the same seeded weights, each rank's own batch
-    (batch norm normalizes each rank's batch alone), the mean of the three ranks' losses."""
+    (batch norm normalizes each rank's batch alone), the mean of the three ranks' losses.
+    The model and every batch must also have been sent to the rank's device."""
     ft = load(LESSON, "fsdp2_train")
     world_size, batch_size, seed = 3, 8, 0
     ranks = run_distributed(rank_fns.train_worker_losses, world_size=world_size, timeout=120,
@@ -405,6 +406,10 @@ def test_train_worker_reports_the_loss_averaged_over_the_ranks():
             f"rank {rank}: train_worker on {world_size} ranks reported a first loss of "
             f"{first:.4f}, not {mean:.4f}, the mean of the ranks' losses {per_rank}: {cause}")
         assert r["losses"] == ranks[0]["losses"], "the ranks report different losses"
+        assert r["model_sent"], (
+            f"rank {rank}: train_worker never sent the model to the rank's device before "
+            "wrapping it (build_model(...).to(device))")
+        assert not r["unsent"], f"rank {rank}: {r['unsent']}"
 
 
 @pytest.mark.timeout(150)
