@@ -66,7 +66,7 @@ def setup_as_node_process(rank, world_size, nodes, gpus):
     args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=60.0,
                      threads=None)
     got_rank, got_world, device = mod.ddp_setup(rank % gpus, args)
-    t = torch.tensor([float(rank + 1)])
+    t = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(t)
     info = {"returned": (got_rank, got_world), "group": (dist.get_rank(), dist.get_world_size()),
             "device": str(device), "backend": dist.get_backend(), "sum": t.item(),
