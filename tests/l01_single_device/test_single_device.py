@@ -175,6 +175,22 @@ def test_checkpoint_loads_into_a_wrapped_model_s_module(sd, tmp_path):
 
 
 @pytest.mark.task("01.3")
+def test_load_checkpoint_refuses_another_model_s_checkpoint(sd, tmp_path):
+    mlp = MLP()
+    sd.save_checkpoint(tmp_path / "ck.pt", mlp, torch.optim.SGD(mlp.parameters(), lr=0.1), 1)
+    try:
+        sd.load_checkpoint(tmp_path / "ck.pt", ConvNet())
+    except NotImplementedError:
+        raise
+    except RuntimeError as exc:
+        assert "Missing key" in str(exc) or "Unexpected key" in str(exc), str(exc)[:300]
+    else:
+        pytest.fail("load_checkpoint loaded an MLP's checkpoint into a ConvNet without an error: "
+                    "keep load_state_dict strict (the default); strict=False silently skips "
+                    "every key that does not match, and the model keeps its random weights")
+
+
+@pytest.mark.task("01.3")
 def test_load_checkpoint_puts_the_tensors_on_the_device_it_is_given(sd, tmp_path):
     model = ConvNet()
     sd.save_checkpoint(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
@@ -256,6 +272,22 @@ def test_trainer_learns_and_checkpoints_every_save_every_epochs(sd, tmp_path):
         "_run_epoch must return sum(losses) / len(losses), not one batch's loss")
     assert losses[-1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
     assert sd.load_checkpoint(tmp_path / "ck.pt", MLP())["epoch"] == 4
+
+
+def test_train_checkpoints_only_every_save_every_epochs(sd, tmp_path):
+    # Trainer.train is given code: stand-ins for the step and the save test it alone.
+    x, y = _separable(32)
+    model = MLP()
+    trainer = sd.Trainer(model, sd.prepare_dataloader(x, y, 16),
+                         torch.optim.SGD(model.parameters(), lr=0.05), CPU, save_every=2,
+                         checkpoint_path=tmp_path / "ck.pt")
+    trainer._run_batch = lambda source, targets: 0.0
+    saved = []
+    trainer._save_checkpoint = saved.append
+    trainer.train(5)
+    assert saved == [2, 4], (
+        f"train(5) with save_every=2 saved checkpoints after epochs {saved}, not [2, 4]: save "
+        "only when epochs_run % save_every == 0, with the number of epochs finished")
 
 
 @pytest.mark.task("01.1")
@@ -350,6 +382,22 @@ def test_cli_trains_and_reports_test_accuracy(tmp_path):
                          "5", "--resume", str(ck), timeout=420)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
+
+
+def test_run_applies_threads_and_passes_checkpoint_and_resume_on(sd, monkeypatch, tmp_path):
+    # run() is given code: the training itself is stood in for, so only the wiring is tested
+    threads, seen = [], {}
+    monkeypatch.setattr(sd, "set_threads", threads.append)
+    monkeypatch.setattr(sd.cli, "train_and_evaluate",
+                        lambda args, device, *fns, **options: seen.update(options) or {})
+    ck, old = str(tmp_path / "ck.pt"), str(tmp_path / "old.pt")
+    sd.run(sd.build_parser().parse_args([*FASHION, "--device", "cpu", "--threads", "3",
+                                         "--checkpoint", ck, "--resume", old]))
+    assert threads == [3], (f"--threads 3 called set_threads with {threads}: run() must apply "
+                            "--threads (set_threads(args.threads))")
+    assert seen.get("checkpoint_path") == ck and seen.get("resume_from") == old, (
+        f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
+        f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -17,6 +17,7 @@ from torch import nn
 
 from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
+from dpt.device import DeviceError
 from dpt.models import MLP, ConvNet
 from tests.helpers import (
     one_line_error,
@@ -101,6 +102,20 @@ def test_scatter_splits_the_batch_dimension_and_keeps_every_sample(dbh, b, n, si
     for c in chunks:
         assert c.shape[1:] == x.shape[1:], "split along dimension 0 (the batch), not another"
     torch.testing.assert_close(torch.cat(chunks), x, msg="chunks must be in order, none lost")
+
+
+def test_scatter_refuses_fewer_than_one_chunk(dbh):
+    # given code, before the task: checked with no answer written
+    for n in (0, -2):
+        try:
+            dbh.scatter(torch.zeros(4, 2), n)
+        except ValueError as exc:
+            assert "at least 1" in str(exc), str(exc)
+        except Exception as exc:  # noqa: BLE001 - what a lost check lets through
+            pytest.fail(f"scatter(x, {n}) raised {type(exc).__name__}: {exc}; keep the check "
+                        "that n >= 1 (ValueError 'n must be at least 1') before dividing by n")
+        else:
+            pytest.fail(f"scatter(x, {n}) returned chunks: keep the check that n >= 1")
 
 
 # ---------------------------------------------------------------------------- 02.2 replicate
@@ -479,6 +494,60 @@ def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, mon
         "(torch.manual_seed(args.seed)) before the model is built")
 
 
+@pytest.mark.task("02.7")
+@pytest.mark.timeout(60)
+def test_training_run_passes_its_flags_on(dp_mod, monkeypatch):
+    x, y = _data(16)
+    monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: None)  # no dataset: 16 samples
+    loaders = []
+    monkeypatch.setattr(dp_mod, "make_loader", lambda *a, **k: loaders.append(k)
+                        or TensorLoader(x, y, batch_size=4))
+    rates = []
+    real_sgd = torch.optim.SGD
+    monkeypatch.setattr(torch.optim, "SGD", lambda params, lr, **k: rates.append(lr)
+                        or real_sgd(params, lr=lr, **k))
+    args = dp_mod.build_parser().parse_args(
+        ["--model", "mlp", "--limit-batches", "2", "--no-progress", "--seed", "5",
+         "--lr", "0.125", "--batch-size", "4"])
+    dp_mod.run(args)
+    assert rates == [0.125], f"--lr 0.125 built SGD with lr {rates}: pass lr=args.lr"
+    train = [k for k in loaders if k.get("train")]
+    test = [k for k in loaders if not k.get("train")]
+    assert len(train) == 1 and len(test) == 1, (
+        f"make_loader was called with train={[k.get('train') for k in loaders]}: the accuracy "
+        "must be measured on the test set (train=False), not on the training data")
+    assert train[0].get("seed") == 5 and train[0].get("batch_size") == 4, (
+        f"the training loader got {train[0]}: pass --seed and --batch-size on "
+        "(seed=args.seed, batch_size=args.batch_size), or every seed shuffles the same way")
+
+
+def test_accuracy_puts_back_the_mode_the_model_was_in(dp_mod):
+    x, y = _data(8)
+    model = _model("convnet")
+    for training in (True, False):
+        model.train(training)
+        acc = dp_mod.accuracy(model, TensorLoader(x, y, batch_size=4), torch.device("cpu"))
+        assert 0.0 <= acc <= 1.0
+        assert model.training == training, (
+            f"accuracy() left a model that was in {'training' if training else 'eval'} mode in "
+            f"{'training' if model.training else 'eval'} mode: put back the mode it was in "
+            "(model.train(was))")
+
+
+def test_parse_ids_refuses_every_gpu_the_machine_lacks(dp_mod, monkeypatch):
+    monkeypatch.setattr(dp_mod, "gpu_count", lambda: 2)  # a 2-GPU machine: ids 0 and 1
+    assert dp_mod.parse_ids("0,1") == [0, 1] and dp_mod.parse_ids(None) is None
+    for text in ("2", "0,2", "-1"):
+        try:
+            dp_mod.parse_ids(text)
+        except DeviceError as exc:
+            assert "do not exist" in str(exc)
+        else:
+            pytest.fail(f"--device-ids {text} was accepted on a machine with GPUs 0 and 1: "
+                        "an id is valid when 0 <= id < gpu_count() (id == gpu_count() is one "
+                        "too many)")
+
+
 def test_explain_devices_says_what_dataparallel_does_here(dp_mod):
     text = dp_mod.explain_devices()
     if dp_mod.gpu_count() == 0:
@@ -617,6 +686,21 @@ def test_timing_synchronizes_before_starting_the_clock_and_reports_the_middle_ti
     assert secs == pytest.approx(0.02), (
         f"{1000 * secs:.0f} ms for calls of 30, 10, 500, 20 and 20 ms: return the median "
         "(20 ms), not the fastest call or the mean")
+
+
+@pytest.mark.parametrize("warmup,repeats", [(-1, 5), (3, 0)])
+def test_time_forward_refuses_impossible_counts(timing, warmup, repeats):
+    # given code, before the task: checked with no answer written
+    try:
+        timing.time_forward(lambda x: x, torch.zeros(1), "cpu", warmup=warmup, repeats=repeats)
+    except ValueError as exc:
+        assert "need repeats >= 1 and warmup >= 0" in str(exc), str(exc)
+    except Exception as exc:  # noqa: BLE001 - what a lost check lets through
+        pytest.fail(f"time_forward(warmup={warmup}, repeats={repeats}) raised "
+                    f"{type(exc).__name__}: keep the check of both counts up front")
+    else:
+        pytest.fail(f"time_forward(warmup={warmup}, repeats={repeats}) was accepted: keep the "
+                    "check that repeats >= 1 and warmup >= 0 (a negative warm-up runs none)")
 
 
 @pytest.mark.slow

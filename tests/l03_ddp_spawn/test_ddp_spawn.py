@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -257,6 +258,20 @@ def test_accuracy_counts_the_whole_test_set_once():
         assert r["eval_after"], (
             "evaluate switched a model that was in eval mode to training mode: put back the "
             "mode it was in (model.train(was_training)), not model.train()")
+
+
+def test_run_passes_the_checkpoint_and_resume_flags_on(monkeypatch):
+    # run() is given code: joining and training are stood in for, only the wiring is tested
+    mod = rank_fns._mod()
+    seen = {}
+    monkeypatch.setattr(mod, "ddp_setup", lambda local_rank, args: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(mod.cli, "train_and_evaluate",
+                        lambda args, device, *fns, **options: seen.update(options) or {})
+    mod.run(0, SimpleNamespace(checkpoint="ck.pt", resume="old.pt"))
+    assert seen.get("checkpoint_path") == "ck.pt" and seen.get("resume_from") == "old.pt", (
+        f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
+        f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
 
 
 # ------------------------------------------------------------------ DDP itself (not a task)

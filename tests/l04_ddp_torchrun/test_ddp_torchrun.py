@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,8 +62,11 @@ def test_torchrun_env_defaults_and_reads_os_environ(mod, monkeypatch):
 @pytest.mark.parametrize("drop", ["RANK", "LOCAL_RANK", "WORLD_SIZE"])
 def test_torchrun_env_without_torchrun_says_so(mod, drop):
     env = {k: v for k, v in ENV.items() if k != drop}
-    with pytest.raises(mod.LaunchError, match="torchrun"):
+    with pytest.raises(mod.LaunchError, match="torchrun") as info:
         mod.torchrun_env(env)
+    assert drop in str(info.value), (
+        f"without {drop} the error says {str(info.value)!r}: name the missing variable(s), "
+        "so the user knows what the launch forgot")
 
 
 @pytest.mark.task("04.1")
@@ -328,6 +332,31 @@ def test_a_snapshot_from_another_world_size_resumes_at_its_epoch(tmp_path):
     assert res["passes"][0][1] == list(expected), (
         "resumed at another world size, the data order is not the snapshot's: restore the "
         "sampler's seed from it whatever the world size")
+
+
+def test_train_snapshots_only_every_save_every_epochs(mod):
+    # Trainer.train is given code: run it on a stand-in Trainer (no process group needed)
+    saved = []
+    fake = SimpleNamespace(epochs_run=1, snapshot_path="snap.pt", save_every=2,
+                           _run_epoch=lambda epoch, limit_batches=None: 0.0,
+                           _save_snapshot=saved.append)
+    mod.Trainer.train(fake, 6)
+    assert saved == [2, 4, 6], (
+        f"train(6) from epoch 1 with save_every=2 snapshotted after epochs {saved}, not "
+        "[2, 4, 6]: snapshot only when epochs_run % save_every == 0")
+
+
+def test_run_passes_the_snapshot_flag_on(mod, monkeypatch):
+    # run() is given code: joining and training are stood in for, only the wiring is tested
+    seen = {}
+    monkeypatch.setattr(mod, "ddp_setup", lambda args: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(mod.cli, "train_and_evaluate",
+                        lambda args, device, *fns, **options: seen.update(options) or {})
+    mod.run(SimpleNamespace(snapshot="snap.pt"))
+    assert seen.get("snapshot_path") == "snap.pt", (
+        f"the Trainer got snapshot_path={seen.get('snapshot_path')!r}: pass --snapshot on, or "
+        "a restarted job starts again from epoch 0")
 
 
 # ------------------------------------------------------------------ leaving (not a task)

@@ -581,6 +581,59 @@ def unused_rank(rank, world_size, variant, task=None):
     return ("ok", torch.equal(before, module.unused.weight.detach()), None)
 
 
+def unused_error_handles(rank, world_size, variant, task=None, bucket_cap_mb=25.0):
+    """One step with a parameter no rank uses, on a network where nothing arrives before
+    ``wait()`` (:class:`SlowNetworkWork`). Returns ``(message, launched, never_waited)``: the
+    RuntimeError's text (None if nothing raised), and how many async all-reduces the step
+    launched and how many of them were dropped without a ``wait()``."""
+    apply_patches(parts_except(variant, task))
+    module = build("toy", seed=0, unused=True)
+    model = wrap(variant, module, bucket_cap_mb=bucket_cap_mb)
+    x, y = global_batch("toy", 0)
+    x, y = x[rank::world_size], y[rank::world_size]
+    real, works = dist.all_reduce, []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not async_op:
+            return real(tensor, op=op, group=group)
+        works.append(SlowNetworkWork(real, tensor, {"op": op, "group": group}))
+        return works[-1]
+
+    dist.all_reduce = all_reduce
+    try:
+        F.cross_entropy(model(x), y).backward()
+        try:
+            model.finish_gradient_synchronization()
+            message = None
+        except NotImplementedError:
+            raise
+        except RuntimeError as exc:
+            message = str(exc)
+    finally:
+        dist.all_reduce = real
+    return message, len(works), sum(1 for w in works if not w.done)
+
+
+def grads_alias_buckets(rank, world_size, as_view, task=None):
+    """Two bucketed steps; after each finish, the names of the parameters whose ``.grad``
+    shares memory with a bucket buffer."""
+    apply_patches(parts_except("bucketed", task))
+    module = build("toy", seed=0)
+    model = wrap("bucketed", module, as_view=as_view)
+    buffers = {b.untyped_storage().data_ptr() for b in model.bucket_buffers}
+    names = {id(p): n for n, p in module.named_parameters()}
+    aliased = []
+    for step in range(2):
+        x, y = global_batch("toy", step)
+        for p in model.params:
+            p.grad = None
+        F.cross_entropy(model(x[rank::world_size]), y[rank::world_size]).backward()
+        model.finish_gradient_synchronization()
+        aliased.append(sorted(names[id(p)] for p in model.params
+                              if p.grad.untyped_storage().data_ptr() in buffers))
+    return aliased
+
+
 def broadcast_from_rank_1(rank, world_size, task=None):
     """``broadcast_state(module, src=1)``: every rank's parameters and buffers after it."""
     apply_patches(parts_except("naive", task))

@@ -437,6 +437,59 @@ def test_bucketed_unused_parameter_raises_clearly_not_hangs():
             f"failed step's counts carry over, pass the bucket size, and it never launches")
 
 
+def _check_unused_error(variant, task, **kw):
+    """The error for an unused parameter names it, and every launched handle was waited on."""
+    for rank, (message, launched, never_waited) in enumerate(run_distributed(
+            rf.unused_error_handles, world_size=2, args=(variant, task), kwargs=kw, timeout=30)):
+        assert message is not None, f"rank {rank}: an unused parameter must raise a RuntimeError"
+        assert "unused.weight" in message, (
+            f"rank {rank}'s error does not name the parameter that got no gradient "
+            f"('unused.weight'): put the parameters' names (self.names) in the message, "
+            f"or the student cannot find the layer: {message!r}")
+        assert launched > 0, "the setup: the used parameters launch their all-reduces"
+        assert never_waited == 0, (
+            f"rank {rank}: {never_waited} of the {launched} all-reduces the step launched were "
+            f"dropped without wait() before raising: a collective is then still writing into "
+            f"a .grad (or bucket) the next step reuses; wait() on each pending handle, then "
+            f"clear self.pending, then raise")
+
+
+@pytest.mark.task("05.5")
+@pytest.mark.timeout(60)
+def test_overlap_unused_parameter_error_names_it_and_waits_for_what_was_launched():
+    _check_unused_error("overlap", "05.5")
+
+
+@pytest.mark.task("05.8")
+@pytest.mark.timeout(60)
+def test_bucketed_unused_parameter_error_names_it_and_waits_for_what_was_launched():
+    # a cap below every parameter's size: one bucket each, so the used ones do launch
+    _check_unused_error("bucketed", "05.8", bucket_cap_mb=1e-6)
+
+
+@pytest.mark.task("05.8")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("as_view", [False, True])
+def test_bucketed_grads_are_bucket_views_only_with_gradient_as_bucket_view(as_view):
+    trainable = sorted(n for n, p in rf.ToyNet().named_parameters()
+                       if p.requires_grad)
+    for rank, aliased in enumerate(run_distributed(
+            rf.grads_alias_buckets, world_size=2, args=(as_view,), kwargs={"task": "05.8"},
+            timeout=30)):
+        for step, names in enumerate(aliased):
+            if as_view:
+                assert names == trainable, (
+                    f"rank {rank}, step {step}: with gradient_as_bucket_view=True every .grad "
+                    f"must be its view into the bucket; these are not: "
+                    f"{sorted(set(trainable) - set(names))}")
+            else:
+                assert not names, (
+                    f"rank {rank}, step {step}: with gradient_as_bucket_view=False the .grad of "
+                    f"{names} became a view into the bucket buffer: copy the averaged view "
+                    f"back into .grad (p.grad.copy_(view)) instead of p.grad = view, or the "
+                    f"next step's bucket traffic rewrites gradients the caller still holds")
+
+
 # --------------------------------------------------------------------------- the lesson as is
 @pytest.mark.slow
 @pytest.mark.parametrize("variant,kw", [

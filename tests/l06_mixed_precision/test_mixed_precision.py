@@ -139,6 +139,23 @@ def test_format_table_shows_fp16_narrow_range_and_bf16_wide_range(demo):
     assert demo.round_trip(torch.tensor([1e-8]), torch.bfloat16).item() > 0.0
 
 
+def test_format_table_mantissa_bits_and_smallest_subnormal_are_each_dtypes_own(demo):
+    rows = {r["dtype"]: r for r in demo.format_table()}
+    for name, bits, mantissa, subnormal in (("fp32", 32, 23, 2.0 ** -149),
+                                            ("fp16", 16, 10, 2.0 ** -24),
+                                            ("bf16", 16, 7, 2.0 ** -133)):
+        row = rows[name]
+        assert row["bits"] == bits, f"{name}: {row['bits']} bits"
+        assert row["mantissa_bits"] == mantissa, (
+            f"{name} has {mantissa} stored mantissa bits, the table says {row['mantissa_bits']}"
+            f" (bf16 is fp32 cut to 16 bits: 1 sign, 8 exponent, 7 mantissa)")
+        assert row["eps"] == 2.0 ** -mantissa, f"{name}: eps is 2**-{mantissa}"
+        assert row["smallest_subnormal"] == subnormal, (
+            f"{name}'s smallest subnormal is {subnormal:.3g} (eps * smallest normal), the table "
+            f"says {row['smallest_subnormal']:.3g}: finfo.tiny is the smallest NORMAL number")
+        assert row["smallest_subnormal"] < row["smallest_normal"]
+
+
 def test_fp16_gradient_underflows_and_survives_with_loss_scaling(demo):
     out = demo.underflow_demo(grad_value=1e-8, scale=2.0 ** 16)
     assert out["fp32"] == pytest.approx(1e-8, rel=1e-6)
@@ -685,6 +702,9 @@ def test_lesson_ddp_training_in_bf16_keeps_ranks_in_sync():
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
     torch.testing.assert_close(results[0]["params"], results[1]["params"], msg=lambda m: "the "
                                f"ranks' weights diverged under bf16 DDP\n{m}")
+    assert results[0]["losses"][0] != results[1]["losses"][0], (
+        "both ranks report the same first loss: each rank must take its own slice of the "
+        "batch (rank r: the r-th), or DDP averages N copies of one gradient")
 
 
 def test_cast_map_shows_where_the_casts_happen():
@@ -704,6 +724,11 @@ def test_cast_map_shows_where_the_casts_happen():
     assert by_type["Linear"] == {("float32", "bfloat16")}
     assert all(row["input"] == "float32" for row in maps["bf16"][:1])
     assert {row["output"] for row in maps["fp32"]} == {"float32"}
+    containers = {name for name, mod in ConvNet().named_modules() if list(mod.children())}
+    listed = {row["module"] for row in maps["bf16"]} & containers
+    assert not listed, (
+        f"cast_map lists {sorted(listed)} (the model itself or a container), whose forward "
+        f"only calls its children: one row per leaf module (skip modules with children)")
 
 
 # ---------------------------------------------------------------- 06.4 Apex
@@ -786,16 +811,25 @@ def test_apex_status_explains_itself(apex_amp, monkeypatch):
 def test_amp_cli_shows_a_skipped_step_and_resumes_with_the_scale(tmp_path):
     ckpt = tmp_path / "amp.pt"
     proc = run_script(script(LESSON, "amp_train.py"), "--precision", "fp32", "--model", "mlp",
-                      "--force-scaler", "--init-scale", "1024", "--growth-interval", "100",
+                      "--force-scaler", "--init-scale", "1024", "--growth-interval", "2",
                       "--inject-inf", "2", "--steps", "5", "--batch-size", "16",
                       "--checkpoint", str(ckpt), timeout=250)
     assert proc.returncode == 0, proc.stderr
-    assert "step 2: inf/NaN gradients, step skipped, scale 1024 -> 512" in proc.stdout
+    # Steps 0 and 1 are finite: with --growth-interval 2 the scale doubles to 2048; the inf
+    # of step 2 halves it back; steps 3 and 4 double it again.
+    assert "scale 1024 -> 512" not in proc.stdout, (
+        "the scale never grew in the two finite steps before the inf: --growth-interval is "
+        f"not passed to the GradScaler\n{proc.stdout}")
+    assert "step 2: inf/NaN gradients, step skipped, scale 2048 -> 1024" in proc.stdout, \
+        proc.stdout
+    assert "skipped [2]" in proc.stdout, (
+        "only step 2 (the injected inf) may count as skipped: a step is skipped when the "
+        f"scale went DOWN, not when it stayed the same\n{proc.stdout}")
     proc = run_script(script(LESSON, "amp_train.py"), "--precision", "fp32", "--model", "mlp",
                       "--force-scaler", "--steps", "2", "--batch-size", "16",
                       "--checkpoint", str(ckpt), "--resume", timeout=250)
     assert proc.returncode == 0, proc.stderr
-    assert "scaler on, scale 512 | from step 5" in proc.stdout
+    assert "scaler on, scale 2048 | from step 5" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("args, words", [
@@ -847,6 +881,9 @@ def test_ddp_script_trains_in_bf16_and_its_checkpoint_has_fp32_weights_and_scale
 def test_apex_cli_catches_the_digit_zero_and_explains_missing_apex():
     proc = run_script(script(LESSON, "apex_amp.py"), "--opt-level", "01", timeout=150)
     assert "letter O" in one_line_error(proc)
+    assert proc.returncode == 2, (
+        f"a bad --opt-level exited with status {proc.returncode}: a usage error exits with 2, "
+        f"as argparse's own errors and the lesson's other scripts do")
     proc = run_script(script(LESSON, "apex_amp.py"), timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert "O2" in proc.stdout and "GradScaler" in proc.stdout

@@ -242,6 +242,37 @@ def test_each_stage_gets_its_own_data_the_test_set_from_the_test_files(lf):
                                f"sample is not the test files' first\n{m}")
 
 
+@pytest.mark.task("07.3")
+def test_setup_without_a_stage_builds_every_split(lf, monkeypatch):
+    """``dm.setup()`` (stage None, what a notebook or a script calls by hand) builds all."""
+    _fake_files(monkeypatch)
+    dm = lf.FashionDataModule(val_size=50, verbose=False)
+    dm.setup()
+    missing = [name for name in ("train_set", "val_set", "test_set")
+               if getattr(dm, name, None) is None]
+    assert not missing, (
+        f"setup() with no stage left {missing} unbuilt: stage None means every stage, so test "
+        f'"fit"/"validate" with None and "test" with None too (stage in ("test", None))')
+    assert len(dm.test_set) == 50 and len(dm.train_set) + len(dm.val_set) == 200
+
+
+def test_train_loader_order_follows_the_seed_alone(lf):
+    """On one device (no sampler swapped in) the shuffle is drawn from the module's seed."""
+    from torch.utils.data import TensorDataset
+
+    def first_batch(seed):
+        dm = lf.FashionDataModule(batch_size=8, seed=seed, verbose=False)
+        dm.train_set = TensorDataset(torch.arange(64.0), torch.arange(64) % 10)
+        return next(iter(dm.train_dataloader()))[0].tolist()
+
+    assert first_batch(0) == first_batch(0), (
+        "two loaders of the same seed shuffle differently: seed the DataLoader's generator "
+        "with self.seed, or a rerun (or a resumed run) sees another order")
+    assert first_batch(0) != first_batch(1), (
+        "seed=0 and seed=1 shuffle the training data alike: the DataLoader's generator is not "
+        "seeded with self.seed (torch.Generator() alone always starts from one fixed seed)")
+
+
 def _fake_files(monkeypatch):
     """dpt.data.load_tensors replaced by small fake files whose every sample is numbered
     (x holds its id: 0.. for the training files, 1000.. for the test files); returns the
@@ -397,6 +428,24 @@ def test_fabric_trains_on_two_cpu_processes():
     assert results[0]["param_checksum"] == pytest.approx(results[1]["param_checksum"], abs=1e-6), \
         "the two ranks' models differ: gradients were not all-reduced"
     assert results[0]["first_loss"] != results[1]["first_loss"], "both ranks saw the same data"
+    means = [r["mean_last_loss"] for r in results]
+    assert means[0] == pytest.approx(means[1], abs=1e-6), f"the ranks report {means}"
+    assert means[0] < 1.5 * max(r["first_loss"] for r in results), (
+        f"the reported mean of the last losses, {means[0]:.3f}, is about twice a single loss: "
+        f"the ranks' means were summed (fabric.all_reduce(..., reduce_op='mean'), not 'sum')")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("args, words", [
+    (["--devices", "0"], "--devices"),
+    (["--batch-size", "0"], "batch"),
+])
+def test_fabric_script_bad_input_is_one_line(args, words):
+    proc = run_script(script(LESSON, "fabric_ddp.py"), *args, timeout=150)
+    line = one_line_error(proc)
+    assert words in line, (
+        f"{args}: the error does not name the bad flag ({words!r}); check it before Fabric "
+        f"starts: {line}")
 
 
 # ------------------------------------------------------------------ strategies, 2 processes
