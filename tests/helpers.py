@@ -81,6 +81,10 @@ def run_leaving_the_group(run, fail: bool) -> dict:
     import dpt.cli
 
     def fake_train_and_evaluate(*args, **kwargs):
+        # A collective, as training has: gloo's init_process_group can return on one rank
+        # before the other has finished connecting, and a rank that left at once would then
+        # break the other's connection ("Connection closed by peer").
+        dist.barrier()
         if fail:
             raise RuntimeError(FAILED_ON_PURPOSE)
         return {"accuracy": 1.0}
