@@ -224,7 +224,8 @@ _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_i
 # (not isend and irecv: dist.P2POp checks its op is the real one, by identity)
 
 
-def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a collective was given: positional, keyword, in lists, in dist.P2POps."""
     found = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -295,7 +296,7 @@ def watching_collectives(device):
 
     def judged(name, fn):
         def collective(*args, **kwargs):
-            watch.check(name, _tensors_in(args, kwargs))
+            watch.check(name, tensors_in(args, kwargs))
             return fn(*args, **kwargs)
         return collective
 

@@ -323,7 +323,6 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
     assert modes and all(modes), "an epoch must train in training mode (model.train())"
 
 
-
 @pytest.mark.task("01.1")
 def test_the_trainer_sends_the_model_and_every_batch_to_its_device(sd):
     x, y = _separable(48)

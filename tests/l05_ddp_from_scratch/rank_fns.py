@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import dpt.dist
-from tests.helpers import watching_collectives
+from tests.helpers import tensors_in, watching_collectives
 from tests.lessons import load
 
 LESSON = "05_ddp_from_scratch"
@@ -357,21 +357,6 @@ class CommLog:
         return sum(1 for *_, flag in self.calls if flag)
 
 
-def _tensors_of(name, args, kwargs):
-    found = list(args) + list(kwargs.values())
-    out = []
-    for a in found:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, list | tuple):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    out.append(b)
-                elif hasattr(b, "tensor"):  # dist.P2POp
-                    out.append(b.tensor)
-    return out
-
-
 @contextlib.contextmanager
 def instrumented(log: CommLog, lazy: bool = False):
     """Record every collective; with ``lazy``, async all-reduces complete only at wait()."""
@@ -379,7 +364,7 @@ def instrumented(log: CommLog, lazy: bool = False):
 
     def counting(name):
         def fake(*args, **kwargs):
-            log.add(name, _tensors_of(name, args, kwargs))
+            log.add(name, tensors_in(args, kwargs))
             return real[name](*args, **kwargs)
         return fake
 
