@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from dpt.testing import run_distributed
 from tests.helpers import one_line_error, requires_data, run_script
+from tests.l07_lightning import rank_fns
 from tests.lessons import load, script
 
 LESSON = "07_lightning"
@@ -409,6 +411,38 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
     assert len(losses) == 3
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.timeout(150)
+def test_the_raw_loop_gives_each_rank_its_own_share_in_a_new_order_each_epoch():
+    """``raw_ddp_epoch`` is lesson 03's loop, the one Fabric's version is set against (the
+    lesson's benchmark times the two side by side), so it must be a correct DDP epoch."""
+    n, batch_size = 48, 4
+    ranks = run_distributed(rank_fns.raw_epochs, world_size=2, timeout=120,
+                            kwargs={"n": n, "batch_size": batch_size})
+    for epoch in (0, 1):
+        shares = [r["orders"][epoch] for r in ranks]
+        assert [len(s) for s in shares] == [n // 2, n // 2], (
+            f"in epoch {epoch} the ranks read {[len(s) for s in shares]} samples of {n}: each "
+            f"rank reads its own half (a DistributedSampler in the DataLoader)")
+        assert sorted(shares[0] + shares[1]) == list(range(n)), (
+            f"in epoch {epoch} the ranks' shares overlap or leave samples out: the "
+            f"DistributedSampler gives each rank a disjoint share of the whole set")
+    first, second = ranks[0]["orders"]
+    assert first != sorted(first), (
+        "rank 0 reads its share in index order: a training loop shuffles "
+        "(DistributedSampler(..., shuffle=True))")
+    assert first != second, (
+        "epoch 1 reads the same order as epoch 0: call sampler.set_epoch(epoch) before "
+        "iterating, or every epoch repeats the first one's shuffle")
+    for r in ranks:
+        assert [len(e) for e in r["losses"]] == [n // 2 // batch_size] * 2, (
+            f"rank {r['rank']} returned "
+            f"{[len(e) for e in r['losses']]} losses per epoch, not one per batch")
+        assert len(r["short"]) == 2, (
+            f"with max_batches=2 the loop took {len(r['short'])} steps, not 2")
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6), (
+        "after the same steps the two ranks' models differ")
 
 
 @requires_data

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dpt.models import ConvNet, build_model
 from dpt.testing import run_distributed
-from tests.helpers import one_line_error, run_script
+from tests.helpers import one_line_error, requires_data, run_script
 from tests.l08_sharding import rank_fns
 from tests.lessons import load, script
 
@@ -131,6 +131,15 @@ def test_measure_bytes_counts_a_plain_model_and_adam(acc):
     assert sharded["params"] == 4 * 5, (
         f"measure_bytes counted {sharded['params']} bytes for a parameter whose local shard "
         "holds 5 fp32 elements (20 bytes): count t.to_local() for a DTensor, not its full size")
+    # Adam's per-tensor `step` counters are 0-dim tensors: counted only when asked for
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert acc.optimizer_state_bytes(opt, include_scalars=True) == 8 * P + steps, (
+        "optimizer_state_bytes(opt, include_scalars=True) must add Adam's 0-dim step counters")
+    # each tensor is priced at its own element size, not at fp32's 4 bytes
+    mixed = [torch.zeros(3, dtype=torch.float16), torch.zeros(2, dtype=torch.float64),
+             torch.zeros(5, dtype=torch.int8)]
+    assert acc.tensor_bytes(mixed) == 3 * 2 + 2 * 8 + 5 * 1, (
+        "tensor_bytes must price each tensor at its own element_size() (2 bytes for fp16)")
     # and it agrees with the prediction for N = 1
     assert acc.predict_bytes(P, 1, "zero3")["total"] == 16 * P
 
@@ -165,6 +174,14 @@ def test_partition_uses_every_rank_and_keeps_big_tensors_apart(zo):
     assert owners[2] != owners[3]
     assert sorted(set(zo.partition_params([5] * 8, 4))) == [0, 1, 2, 3]
     assert zo.partition_params([3, 4], 1) == [0, 0]
+    try:
+        zo.partition_params([3, 4], 0)
+        error = "no error"
+    except ValueError as exc:
+        error = str(exc)
+    assert "world_size" in error, (
+        f"partition_params(sizes, 0) gave {error!r}: refuse a world_size below 1 with a "
+        f"ValueError that names it")
     # biggest first: the 4 goes to one rank, the four 1s to the other. Smallest first (or in
     # the given order) ends 1+1+4 against 1+1, within the bound above but not balanced.
     sizes = [1, 1, 1, 1, 4]
@@ -416,7 +433,126 @@ def test_train_worker_reports_the_loss_averaged_over_the_ranks():
 def test_bad_arguments_give_one_line():
     proc = run_script(script(LESSON, "fsdp2_train.py"), "--nproc", "0", timeout=125)
     assert proc.returncode == 2
-    assert "at least 1" in one_line_error(proc)
+    line = one_line_error(proc)
+    assert "at least 1" in line and "--nproc" in line, (
+        f"--nproc 0 gave {line!r}: the error should name the flag the user typed")
+
+
+@pytest.mark.timeout(200)
+def test_train_worker_trains_the_same_model_under_fsdp2_and_ddp(tmp_path):
+    """The script's worker, given code: FSDP2 and DDP from one seed give the same losses,
+    Adam gets the worker's options, the report shows each rank's shard, only rank 0 saves,
+    and with Fashion-MNIST each rank asks for its own share."""
+    ranks = run_distributed(rank_fns.train_worker_both_modes, world_size=2, timeout=150,
+                            kwargs={"save_dir": str(tmp_path), "lr": 4e-3, "weight_decay": 0.01})
+    for r in ranks:
+        rank, losses = r["rank"], r["losses"]
+        assert losses["fsdp2"] == pytest.approx(losses["ddp"], rel=1e-4, abs=1e-5), (
+            f"rank {rank}: from one seed train_worker's FSDP2 run reports {losses['fsdp2']} and "
+            f"its DDP run {losses['ddp']}: every rank must build the model from the same seed "
+            f"(torch.manual_seed(seed)). DDP copies rank 0's weights to every rank, but FSDP2 "
+            f"keeps each rank's slice of its own: different seeds make a patchwork model")
+        assert r["adams"] == [{"lr": 4e-3, "weight_decay": 0.01}] * 2, (
+            f"rank {rank}: Adam was built with {r['adams']}, not lr=0.004 and "
+            f"weight_decay=0.01: pass train_worker's lr and weight_decay on")
+        assert r["saves"] == ([r["keys"]] * 2 if rank == 0 else []), (
+            f"rank {rank} saved {len(r['saves'])} state dict(s) with keys {r['saves']}: only "
+            f"rank 0 writes the file, with every key of the model (the others hold an empty "
+            f"dict, and several writers of one path race)")
+        assert r["fashion_asked"] == [(rank, 2)], (
+            f"rank {rank}: with --data fashion-mnist train_worker asked fashion_batches for "
+            f"{r['fashion_asked']}, not (rank, world_size) = ({rank}, 2): each rank reads "
+            f"its own share")
+    for i, row in enumerate(ranks[0]["shards"]):
+        local = [r["shards"][i]["local_numel"] for r in ranks]
+        assert sum(local) == row["numel"], (
+            f"shard_report gives {row['name']} local sizes {local} on the two ranks, which do "
+            f"not add up to its {row['numel']} elements: report p.to_local(), the shard this "
+            f"rank stores, not the full DTensor")
+    files = {mode: torch.load(tmp_path / f"{mode}.pt", weights_only=True)
+             for mode in ("ddp", "fsdp2")}
+    assert sorted(files["fsdp2"]) == ranks[0]["keys"]
+    for k, v in files["ddp"].items():
+        torch.testing.assert_close(files["fsdp2"][k], v, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.task("08.3")
+@pytest.mark.timeout(150)
+def test_the_notebooks_demo_compares_like_with_like():
+    """demo_worker (given code) trains DDP + Adam against DDP + ShardedOptimizer(Adam):
+    the weights agree, the shards of Adam's state add up to the whole, and owned_fraction is
+    this rank's own share."""
+    ranks = run_distributed(rank_fns.demo_with_reference_partition, world_size=2, timeout=120)
+    plain = ranks[0]["plain_state"]
+    assert sum(r["sharded_state"] for r in ranks) == plain, (
+        f"the ranks' shards of Adam's state hold {[r['sharded_state'] for r in ranks]} bytes, "
+        f"which must add up to the plain optimizer's {plain}")
+    for r in ranks:
+        assert r["max_diff"] < 1e-5, (
+            f"rank {r['rank']}: after the demo the sharded model differs from the plain one "
+            f"by {r['max_diff']:.2g}: each optimizer must step its own model's parameters")
+        assert r["owned"] == pytest.approx(r["sharded_state"] / plain, rel=1e-9), (
+            f"rank {r['rank']}: owned_fraction is {r['owned']:.4f}, but this rank holds "
+            f"{r['sharded_state'] / plain:.4f} of Adam's state: count the parameters this "
+            f"rank owns (params_of[rank]), not rank 0's")
+
+
+def test_the_blocks_to_shard_are_the_children_that_hold_parameters():
+    ft = load(LESSON, "fsdp2_train")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(4, 2)),
+                                torch.nn.Flatten())
+    blocks = ft.default_blocks(model)
+    assert blocks == [model[0], model[2]], (
+        f"default_blocks gave {[type(b).__name__ for b in blocks]}: a block is a unit of "
+        f"all-gather, so only the children that hold parameters are sharded")
+
+
+def test_the_script_passes_its_flags_to_every_rank(monkeypatch, capsys):
+    """main() turns its flags into train_worker's arguments (the ranks are faked here)."""
+    import dpt.testing
+
+    ft = load(LESSON, "fsdp2_train")
+    seen = {}
+
+    def fake_run_distributed(fn, world_size, **kwargs):
+        seen.update(kwargs["kwargs"], fn=fn, world_size=world_size)
+        memory = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+        return [{"rank": r, "losses": [2.0, 1.0], "memory": memory, "state_dict": {}}
+                for r in range(world_size)]
+
+    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    assert ft.main(["--nproc", "3", "--mode", "ddp", "--steps", "7", "--batch-size", "5",
+                    "--lr", "0.25", "--data", "synthetic"]) == 0
+    got = {k: seen.get(k) for k in ("world_size", "mode", "steps", "batch_size", "lr", "data")}
+    assert got == {"world_size": 3, "mode": "ddp", "steps": 7, "batch_size": 5, "lr": 0.25,
+                   "data": "synthetic"}, f"the ranks were started with {got}"
+    assert seen["fn"] is ft.train_worker
+    assert "ddp on 3 rank(s)" in capsys.readouterr().out
+
+
+@requires_data
+@pytest.mark.timeout(120)
+def test_fashion_batches_give_each_rank_its_half_in_a_new_order_each_epoch():
+    from dpt.data import load_tensors
+
+    ft = load(LESSON, "fsdp2_train")
+    x_all, _ = load_tensors("fashion-mnist", train=True)
+    half = len(x_all) // 2  # one batch per epoch: the rank's whole share
+    streams = [ft.fashion_batches(rank, 2, half, seed=0) for rank in (0, 1)]
+    (x0, _), (x1, _) = next(streams[0]), next(streams[1])
+    assert len(x0) == len(x1) == half, "each of 2 ranks reads half of the training set"
+
+    def key(x):  # one number per image, to compare the shares as multisets
+        return x.flatten(1).double().sum(1).sort().values
+
+    torch.testing.assert_close(key(torch.cat([x0, x1])), key(x_all), msg=lambda m: (
+        "the two ranks' shares overlap instead of splitting the set: each rank reads its "
+        f"own DistributedSampler shard (num_replicas=world_size, rank=rank)\n{m}"))
+    x0_next, _ = next(streams[0])
+    assert not torch.equal(x0_next, x0), (
+        "epoch 1 reads the same order as epoch 0: call set_epoch(epoch) on the loader")
+    del x_all, x0, x1, x0_next
 
 
 @pytest.mark.task("08.3")
@@ -464,3 +600,7 @@ def test_a_rank_resumes_from_its_own_shard_of_the_state():
         assert r["other"] != "accepted", (
             f"rank {rank} loaded the other rank's shard without complaint: each rank must "
             f"load the shard it saved")
+        assert r["closure_called"] == 1 and r["closure_returned"], (
+            f"rank {rank}: step(closure) called the closure {r['closure_called']} time(s) and "
+            f"did not return its loss: a torch optimizer calls it once, under enable_grad, "
+            f"and returns what it returned (LBFGS and Lightning rely on it)")
