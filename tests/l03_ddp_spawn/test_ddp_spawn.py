@@ -230,7 +230,9 @@ def test_only_rank0_saves_without_module_prefix_and_everyone_waits(tmp_path):
 @pytest.mark.task("03.5")
 @pytest.mark.timeout(90)
 def test_accuracy_counts_the_whole_test_set_once():
-    n = 101  # odd: DistributedSampler pads rank 1's share with a repeat of sample 0
+    # odd: DistributedSampler pads rank 1's share with a repeat of sample 0; and above 2048,
+    # where float16 stops counting every integer (it holds 4096 and 4100, not 4099)
+    n = 4099
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, 1, 28, 28, generator=g)
     torch.manual_seed(0)
@@ -245,8 +247,12 @@ def test_accuracy_counts_the_whole_test_set_once():
     for rank, r in enumerate(results):
         counts = tuple(int(c) for c in r["counts"])
         assert counts[1] != n + 1, "the padded duplicate was counted"
+        rounded = counts != expected and all(abs(a - b) <= 4 for a, b in zip(counts, expected))
         assert counts == expected, (
-            f"rank {rank} reports {counts}, the whole test set gives {expected}")
+            f"rank {rank} reports {counts}, the whole test set gives {expected}"
+            + (": the counts were rounded on the way, so add them up in an integer (or "
+               "float64) tensor; float16 and bfloat16 cannot hold every count above 2048 and "
+               "256" if rounded else ""))
         assert r["graphs"] and not any(r["graphs"]), (
             f"rank {rank}: evaluate built an autograd graph for every batch (memory and time "
             "for nothing): predict under torch.no_grad() (keep the @torch.no_grad() decorator)")
