@@ -118,6 +118,18 @@ def test_scatter_refuses_fewer_than_one_chunk(dbh):
             pytest.fail(f"scatter(x, {n}) returned chunks: keep the check that n >= 1")
 
 
+def test_data_parallel_by_hand_refuses_fewer_than_one_replica(dbh):
+    # given code, before the task: checked with no answer written
+    try:
+        dbh.DataParallelByHand(nn.Linear(2, 2), n_replicas=-2)
+    except ValueError as exc:
+        assert "at least 1" in str(exc), str(exc)
+    else:
+        pytest.fail("DataParallelByHand(model, n_replicas=-2) was accepted: keep the check that "
+                    "n_replicas >= 1 in __init__, or the mistake only shows at the first "
+                    "forward, deep inside scatter")
+
+
 # ---------------------------------------------------------------------------- 02.2 replicate
 
 
@@ -293,6 +305,36 @@ def test_parallel_apply_carries_grad_mode_into_the_threads_and_raises_errors(dbh
 
     with pytest.raises(RuntimeError, match="replica exploded"):
         dbh.parallel_apply([lin, Boom()], xs)
+
+
+def test_parallel_apply_refuses_replicas_and_inputs_of_different_counts(dbh):
+    # given code, before the task: checked with no answer written
+    lin = nn.Linear(3, 2)
+    for replicas, inputs in (([lin] * 3, [torch.randn(2, 3)] * 2),
+                             ([lin] * 2, [torch.randn(2, 3)] * 3)):
+        try:
+            dbh.parallel_apply(replicas, inputs)
+        except ValueError as exc:
+            assert "replicas but" in str(exc), str(exc)
+        else:
+            pytest.fail(f"parallel_apply with {len(replicas)} replicas and {len(inputs)} inputs "
+                        "returned outputs: keep the check that the counts match (zip silently "
+                        "drops a replica, or a chunk and its samples)")
+
+
+def test_intra_op_threads_restores_the_count_even_when_the_block_raises(dbh):
+    # given code: a replica that raises must not leave torch with a share of the cores
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(KeyError), dbh.intra_op_threads(before + 1):
+            assert torch.get_num_threads() == before + 1
+            raise KeyError("a replica raised")
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)  # the other tests get their count back either way
+    assert after == before, (
+        f"after a block that raised, intra_op_threads left torch with {after} threads, not "
+        f"{before}: restore the count in a finally:")
 
 
 # -------------------------------------------------------------------------------- 02.5 gather
@@ -499,9 +541,13 @@ def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, mon
 def test_training_run_passes_its_flags_on(dp_mod, monkeypatch):
     x, y = _data(16)
     monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: None)  # no dataset: 16 samples
-    loaders = []
+    loaders, made = [], []  # make_loader's keywords, and the loader each call returned
     monkeypatch.setattr(dp_mod, "make_loader", lambda *a, **k: loaders.append(k)
-                        or TensorLoader(x, y, batch_size=4))
+                        or made.append(TensorLoader(x, y, batch_size=4)) or made[-1])
+    measured = []  # the loader each accuracy() call was given
+    real_accuracy = dp_mod.accuracy
+    monkeypatch.setattr(dp_mod, "accuracy", lambda model, loader, device: measured.append(loader)
+                        or real_accuracy(model, loader, device))
     rates = []
     real_sgd = torch.optim.SGD
     monkeypatch.setattr(torch.optim, "SGD", lambda params, lr, **k: rates.append(lr)
@@ -519,6 +565,11 @@ def test_training_run_passes_its_flags_on(dp_mod, monkeypatch):
     assert train[0].get("seed") == 5 and train[0].get("batch_size") == 4, (
         f"the training loader got {train[0]}: pass --seed and --batch-size on "
         "(seed=args.seed, batch_size=args.batch_size), or every seed shuffles the same way")
+    test_loader = next(m for k, m in zip(loaders, made) if not k.get("train"))
+    assert measured and all(m is test_loader for m in measured), (
+        "the reported accuracy was measured on the training loader: the test loader "
+        "(make_loader(train=False)) is built, so pass it to accuracy(dp_model, test, root); "
+        "accuracy on the training data hides overfitting")
 
 
 def test_accuracy_puts_back_the_mode_the_model_was_in(dp_mod):
@@ -532,6 +583,22 @@ def test_accuracy_puts_back_the_mode_the_model_was_in(dp_mod):
             f"accuracy() left a model that was in {'training' if training else 'eval'} mode in "
             f"{'training' if model.training else 'eval'} mode: put back the mode it was in "
             "(model.train(was))")
+
+
+def test_accuracy_predicts_in_eval_mode_on_batches_sent_to_the_device(dp_mod):
+    x, y = _data(8)
+    model = _model("convnet").train()
+    modes = []
+    model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    with recording_moves() as moves:
+        acc = dp_mod.accuracy(model, moves.loader(TensorLoader(x, y, batch_size=4)),
+                              torch.device("cpu"))
+    assert 0.0 <= acc <= 1.0 and modes, "accuracy() never ran the model"
+    assert not any(modes), (
+        "accuracy() ran the model in training mode: call model.eval() before predicting "
+        "(dropout stays on, batch norm uses and updates the batch's statistics)")
+    problem = unsent_message(moves, "cpu", "the test batches", "accuracy()")
+    assert not problem, problem
 
 
 def test_parse_ids_refuses_every_gpu_the_machine_lacks(dp_mod, monkeypatch):
@@ -724,13 +791,20 @@ def test_sweep_times_each_line_with_its_own_threads(timing, monkeypatch):
     monkeypatch.setattr(timing, "gpu_count", lambda: 0)  # the CPU study, on any machine
     seen = []
 
+    counts = set()
+
     def fake_time_forward(model, x, device, warmup=3, repeats=10):
         seen.append((model, len(x), torch.get_num_threads()))
+        counts.add((warmup, repeats))
         return 0.001
 
     monkeypatch.setattr(timing, "time_forward", fake_time_forward)
     before = torch.get_num_threads()
     result = timing.sweep([2, 8], 2, "mlp", warmup=0, repeats=1, threads_per_device=1)
+    assert counts == {(0, 1)}, (
+        f"sweep(warmup=0, repeats=1) called time_forward with (warmup, repeats) {counts}: "
+        "pass them in time_forward's order (model, x, device, warmup, repeats), by keyword "
+        "to be safe")
     names = list(result["lines"])
     assert len(names) == 3 and all(v == [0.001, 0.001] for v in result["lines"].values())
     assert [b for _, b, _ in seen] == [2, 2, 2, 8, 8, 8], "every line, batch size by batch size"
@@ -754,8 +828,57 @@ def test_timing_script_bad_input_is_one_clear_line():
 
 @pytest.mark.parametrize("args,needle", [(["--batch-sizes", "x"], "batch-sizes"),
                                          (["--batch-sizes", "0,4"], "positive"),
-                                         (["--repeats", "0"], "repeats")])
-def test_timing_cli_rejects_bad_input_with_one_line(timing, capsys, args, needle):
+                                         (["--repeats", "0"], "repeats"),
+                                         (["--warmup", "-1"], "warmup")])
+def test_timing_cli_rejects_bad_input_with_one_line(timing, monkeypatch, capsys, args, needle):
+    monkeypatch.setattr(timing, "sweep", lambda *a, **k: pytest.fail(
+        f"dp_timing.py {' '.join(args)} got past main()'s checks and started the sweep: "
+        "refuse it up front with one 'error:' line (check every count: --repeats >= 1 and "
+        "--warmup >= 0), not with a traceback from inside the timing"))
     assert timing.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_timing_script_passes_its_flags_to_the_sweep(timing, monkeypatch, tmp_path):
+    calls = []
+
+    def fake_sweep(batch_sizes, n_devices, model_name="fashioncnn", warmup=3, repeats=10,
+                   threads_per_device=None, progress=None):
+        calls.append(dict(batch_sizes=batch_sizes, n_devices=n_devices, model_name=model_name,
+                          warmup=warmup, repeats=repeats, threads_per_device=threads_per_device))
+        return {"model": model_name, "n_devices": n_devices, "batch_sizes": batch_sizes,
+                "label": "fake", "lines": {"a": [0.002] * len(batch_sizes),
+                                           "b": [0.001] * len(batch_sizes)}}
+
+    monkeypatch.setattr(timing, "sweep", fake_sweep)
+    monkeypatch.setattr(timing, "plot", lambda result, path=None: None)
+    assert timing.main(["--batch-sizes", "2,8", "--devices", "2", "--model", "mlp",
+                        "--warmup", "4", "--repeats", "6", "--threads-per-device", "3",
+                        "--out", str(tmp_path / "t")]) == 0
+    want = dict(batch_sizes=[2, 8], n_devices=2, model_name="mlp", warmup=4, repeats=6,
+                threads_per_device=3)
+    assert len(calls) == 1, f"main() ran the sweep {len(calls)} times"
+    wrong = {k: (calls[0][k], v) for k, v in want.items() if calls[0][k] != v}
+    assert not wrong, (
+        f"main() ignored flags: sweep() got {{name: (got, asked)}} = {wrong}: pass every "
+        "flag on (args.model, args.warmup, args.repeats, args.threads_per_device)")
+
+
+def test_speedup_panel_plots_one_device_time_over_each_line_time(timing, monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    result = {"model": "mlp", "n_devices": 2, "batch_sizes": [2, 8], "label": "fake",
+              "lines": {"1 device": [0.004, 0.008], "DP": [0.008, 0.002]}}
+    fig = timing.plot(result)
+    try:
+        dp = [ln for ln in fig.axes[1].get_lines() if ln.get_label() == "DP"]
+        assert len(dp) == 1, "the speedup panel must have one line per N-device variant"
+        speedup = [float(v) for v in dp[0].get_ydata()]
+        assert speedup == pytest.approx([0.5, 4.0]), (
+            f"1 device takes 4 and 8 ms, DP 8 and 2 ms, and the speedup panel shows {speedup}, "
+            "not [0.5, 4.0]: speedup is t(1 device) / t(N devices), so > 1 means faster; "
+            "t(N) / t(1) is the slowdown")
+    finally:
+        plt.close(fig)

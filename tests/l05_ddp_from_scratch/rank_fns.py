@@ -714,3 +714,10 @@ def mean_of_known_gradients(rank, world_size, variant, task=None, bucket_cap_mb=
     sum((rank + 1.0) * p.sum() for p in model.params).backward()
     model.finish_gradient_synchronization()
     return _grads(module)
+
+
+def demo_compare_rank(rank, world_size, x, y, steps):
+    """The notebook's ``scratch_demo.compare_rank``, with every task's reference part in place
+    (this checks the demo's slicing and step order, not the wrappers)."""
+    apply_patches(sorted(set(TASK_PARTS.values())))
+    return load(LESSON, "scratch_demo").compare_rank(rank, world_size, x, y, steps)

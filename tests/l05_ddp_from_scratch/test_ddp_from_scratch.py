@@ -10,10 +10,14 @@ missing divide by the world size, this rank's own gradients a missing wait().
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from dpt.testing import RankFailure, run_distributed
 from tests.helpers import one_line_error, run_script
@@ -150,6 +154,11 @@ def test_ring_model_fit_recovers_a_known_bandwidth():
     fit = col.fit_ring_model(sizes, times, 4)
     assert fit["bandwidth_Bps"] == pytest.approx(3e9, rel=1e-6)
     assert fit["alpha_s"] == pytest.approx(5e-5, rel=1e-6)
+    model = [col.ring_model_seconds(fit, s, 4) for s in sizes]
+    assert model == pytest.approx(times, rel=1e-6), (
+        "ring_model_seconds does not give back the times the fit came from: the model is "
+        "alpha + 2 (N-1)/N * bytes / bandwidth (each rank sends 2 (N-1)/N of the message); "
+        "is the /N missing?")
 
 
 def test_noisy_timings_give_no_fit_and_still_plot(monkeypatch):
@@ -170,6 +179,115 @@ def test_noisy_timings_give_no_fit_and_still_plot(monkeypatch):
 def test_timing_script_refuses_bad_input_in_one_line():
     proc = run_script(script(LESSON, "collectives.py"), "--world-size", "1", timeout=60)
     assert "world-size" in one_line_error(proc)
+
+
+@pytest.mark.timeout(60)
+def test_the_timing_waits_for_every_rank_and_reports_the_slowest_median(monkeypatch):
+    """One rank, in this process, with a fake clock: the ring takes 10 ms a call, torch's
+    all-reduce 30 ms, and the other rank's medians are half of this rank's."""
+    col = load(LESSON, "collectives")
+    clock, events = [1000.0], []
+
+    def ring(t):
+        events.append("ring")
+        clock[0] += 0.010
+        return t
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if t.dtype == torch.float64:  # the ranks' medians, agreed on
+            other = t / 2
+            t.copy_(torch.maximum(t, other) if op == dist.ReduceOp.MAX else t + other)
+        else:  # the timed torch all-reduce
+            events.append("torch")
+            clock[0] += 0.030
+
+    monkeypatch.setattr(col, "ring_all_reduce", ring)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **k: events.append("barrier"))
+    with monkeypatch.context() as m:
+        for name in ("perf_counter", "monotonic", "time"):
+            m.setattr(col.time, name, lambda: clock[0])
+        rows = col.time_all_reduce(0, 2, [64], repeats=3)["rows"]
+    timed = [i for i, e in enumerate(events) if e != "barrier"][1:]  # after the warm-up call
+    assert all(events[i - 1] == "barrier" for i in timed), (
+        f"calls in order {events}: each timed call must start right after dist.barrier(), or "
+        "the ranks start it at different moments and a rank's clock includes waiting for the "
+        "others")
+    ring_s, torch_s = rows[0]["ring_s"], rows[0]["torch_s"]
+    assert (ring_s, torch_s) != pytest.approx((0.030, 0.010)), (
+        "the ring's time is in the torch_s column and torch's in ring_s: time "
+        "ring_all_reduce for 'ring_s' and dist.all_reduce for 'torch_s'")
+    assert (ring_s, torch_s) == pytest.approx((0.010, 0.030)), (
+        f"this rank's medians are 10 and 30 ms, the other rank's half that, and the table says "
+        f"{1e3 * ring_s:.0f} and {1e3 * torch_s:.0f} ms: the slowest rank decides when a "
+        "collective is done, so all-reduce the medians with op=dist.ReduceOp.MAX (the default "
+        "op, SUM, adds the ranks' times)")
+
+
+@contextlib.contextmanager
+def _cpu_seconds_limit(seconds, message):
+    """Fail with ``message`` once this process has used ``seconds`` of CPU time (not wall
+    time: a loaded machine does not trip it): an endless loop ends as a clear failure."""
+    def stop(signum, frame):
+        raise AssertionError(message)
+
+    previous = signal.signal(signal.SIGVTALRM, stop)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,needle", [(["--min-kb", "0"], "min-kb"),
+                                         (["--min-kb", "-4"], "min-kb"),
+                                         (["--min-kb", "8", "--max-mb", "0.001"], "min-kb"),
+                                         (["--repeats", "0"], "repeats")],
+                         ids=["min_kb_zero", "min_kb_negative", "min_over_max", "repeats"])
+def test_timing_cli_rejects_bad_input_with_one_line(monkeypatch, capsys, args, needle):
+    import dpt.testing
+
+    col = load(LESSON, "collectives")
+    monkeypatch.setattr(dpt.testing, "run_distributed", lambda *a, **k: pytest.fail(
+        f"collectives.py {' '.join(args)} got past main()'s checks and started ranks: refuse "
+        "it up front with one 'error:' line"))
+    with _cpu_seconds_limit(2.0, f"collectives.py {' '.join(args)} passed main()'s checks and "
+                            "its size loop (s *= 4, from --min-kb) never ended: a size of 0 or "
+                            "less never grows; refuse it up front (0 < --min-kb <= --max-mb)"):
+        code = col.main(args)
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+@pytest.mark.timeout(60)
+def test_timing_script_passes_its_flags_to_the_ranks(monkeypatch, tmp_path):
+    import dpt.testing
+
+    col = load(LESSON, "collectives")
+    calls = []
+
+    def fake_run_distributed(fn, world_size, args=(), kwargs=None, **options):
+        calls.append((fn.__name__, world_size, args))
+        if fn.__name__ != "time_all_reduce":
+            return [None] * world_size
+        rows = [{"bytes": b, "ring_s": 1e-4 + b / 1e9, "torch_s": 5e-5 + b / 2e9}
+                for b in args[0]]
+        return [{"world_size": world_size, "rows": rows}] * world_size
+
+    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert col.main(["--world-size", "3", "--min-kb", "1", "--max-mb", "0.004",
+                     "--repeats", "7", "--out", str(tmp_path / "t.json"),
+                     "--plot", str(tmp_path / "t.png")]) == 0
+    timed = [c for c in calls if c[0] == "time_all_reduce"]
+    assert timed, f"main() never timed anything: {calls}"
+    assert timed[0][1:] == (3, ([1024, 4096], 7)), (
+        f"main() started the timing as (world_size, args) = {timed[0][1:]}, not "
+        "(3, ([1024, 4096], 7)): pass --world-size and --repeats on "
+        "(args=(sizes, args.repeats))")
 
 
 # --------------------------------------------------------------------------- naive DDP
@@ -503,6 +621,56 @@ def test_unpatched_lesson_code_matches_single_process_and_torch_ddp(variant, kw)
         assert out["devices"] == [str(rf.device())], f"a tensor off rank_device(): {out['devices']}"
 
 
+def test_forward_passes_keyword_arguments_on():
+    forward = load(LESSON, "ddp_base").DDPBase.forward
+    wrapper = SimpleNamespace(module=lambda *args, **kwargs: (args, kwargs))
+    assert forward(wrapper, 1, 2, mask=3) == ((1, 2), {"mask": 3}), (
+        "model(x, mask=m) lost its keyword arguments on the way to the wrapped module: "
+        "forward must return self.module(*args, **kwargs)")
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    """BucketedDDP built in this process, as one rank of 2: no communication happens at
+    construction once the initial broadcast is a no-op; reference parts for tasks 05.6-05.7."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", lambda m, src=0: None)
+    bucketed = load(LESSON, "bucketed_ddp")
+    monkeypatch.setattr(bucketed, "assign_buckets", rf.ref_assign_buckets)
+    monkeypatch.setattr(bucketed.BucketedDDP, "_register_hooks", rf.ref_bucket_hooks)
+    return bucketed
+
+
+def test_gradients_as_bucket_views_keep_a_gradient_the_model_already_had(fake_world):
+    module = rf.build("toy", seed=0)
+    torch.manual_seed(1)
+    before = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+            before[name] = p.grad.clone()
+    fake_world.BucketedDDP(module, bucket_cap_mb=PARTIAL_MB, gradient_as_bucket_view=True)
+    lost = [n for n, p in module.named_parameters() if n in before
+            and not torch.equal(p.grad, before[n])]
+    assert not lost, (
+        f"with gradient_as_bucket_view=True, the gradients the model held before wrapping "
+        f"({lost}) were replaced by the empty bucket views: copy each into its view "
+        f"(view.copy_(p.grad)) before pointing .grad at the view")
+
+
+def test_a_bucket_mixing_dtypes_is_refused(fake_world):
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
+    try:
+        fake_world.BucketedDDP(module, bucket_cap_mb=HUGE_MB)  # one bucket for both
+    except ValueError as exc:
+        assert "mix" in str(exc), str(exc)
+    else:
+        pytest.fail("a bucket holding float32 and float64 parameters was built: its buffer "
+                    "has one dtype, so the others' gradients would be silently cast; keep the "
+                    "check that every parameter of a bucket has the same dtype and device")
+
+
 def test_wrappers_mirror_torch_ddp_interface():
     for mod, cls in (("naive_ddp", "NaiveDDP"), ("overlap_ddp", "OverlapDDP"),
                      ("bucketed_ddp", "BucketedDDP")):
@@ -681,3 +849,34 @@ def test_bucketed_averages_over_three_ranks(as_view):
                               kwargs={"task": "05.8", "bucket_cap_mb": PARTIAL_MB,
                                       "as_view": as_view}, timeout=40)
     _check_mean_of_three(results, "BucketedDDP")
+
+
+@pytest.mark.timeout(180)
+def test_the_notebook_comparison_trains_each_rank_on_its_slice_and_syncs_before_the_step():
+    """scratch_demo.compare_rank, which the notebook's comparison runs, with reference parts:
+    every wrapper on 2 ranks must end where one process on the whole batch ends."""
+    demo = load(LESSON, "scratch_demo")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+    truth = {k: v.detach() for k, v in demo.train(demo.make_model(seed=0), x, y, 2)
+             .state_dict().items()}
+    results = run_distributed(rf.demo_compare_rank, world_size=WORLD, args=(x, y, 2),
+                              timeout=150)
+
+    def off(states):
+        return [k for k in truth if not torch.allclose(states[k], truth[k], rtol=1e-4,
+                                                       atol=1e-5)]
+
+    for rank, states in enumerate(results):
+        assert list(states) == list(demo.WRAPPERS), list(states)
+        torch_off = off(states["torch DDP"])
+        for name, state in states.items():
+            wrong = off(state)
+            assert not wrong, (
+                f"rank {rank}, {name}: {wrong} differ from one process trained on the whole "
+                "batch. " + ("torch DDP is off too: each rank must train on ITS slice, "
+                             "x[rank * per_rank:(rank + 1) * per_rank] (and y's)"
+                             if torch_off else
+                             "torch DDP matches: call sync() (finish_gradient_synchronization) "
+                             "after backward and BEFORE opt.step(), or each rank steps on its "
+                             "own gradients"))

@@ -53,10 +53,34 @@ def hook_under_bf16(rank: int, world_size: int) -> dict:
 
 def lesson_trainer_ddp(rank: int, world_size: int, precision: str) -> dict:
     """The lesson's own Trainer under DDP, a few small steps on synthetic data, with the
-    lesson's recording hook (``amp_inspect.ddp_dtypes``)."""
+    lesson's recording hook (``amp_inspect.ddp_dtypes``). A forward hook on the model it
+    builds adds, per step, the autocast dtype the forward ran under (None: autocast off) and
+    the samples this rank trained on."""
     import amp_inspect
 
-    return amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3, batch_size=8)
+    seen = {"autocast": [], "inputs": []}
+    real_build = amp_inspect.build_model
+
+    def build_and_watch(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+
+        def watch(module, inputs, output):
+            on = torch.is_autocast_enabled("cpu")
+            seen["autocast"].append(str(torch.get_autocast_dtype("cpu")) if on else None)
+            seen["inputs"].append(inputs[0].detach().cpu().clone())
+
+        model.register_forward_hook(watch)
+        return model
+
+    amp_inspect.build_model = build_and_watch
+    try:
+        out = amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3,
+                                     batch_size=8)
+    finally:
+        amp_inspect.build_model = real_build
+    out["autocast"] = seen["autocast"]
+    out["inputs"] = seen["inputs"]
+    return out
 
 
 def save_on_ranks(rank: int, world_size: int, folder: str) -> dict:

@@ -700,11 +700,24 @@ def test_lesson_ddp_training_in_bf16_keeps_ranks_in_sync():
         assert r["param_dtypes"] == ["torch.float32"], (
             f"the parameters are {r['param_dtypes']}: the model must stay fp32 under autocast")
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+    for r in results:
+        assert r["autocast"] == ["torch.bfloat16"] * 3, (
+            f"rank {r['rank']}: ddp_dtypes(precision='bf16') ran its forwards under autocast "
+            f"{r['autocast']} (None: off), not bf16: pass the precision it is given on to the "
+            "Trainer (precision=precision); without it the Trainer trains in fp32")
     torch.testing.assert_close(results[0]["params"], results[1]["params"], msg=lambda m: "the "
                                f"ranks' weights diverged under bf16 DDP\n{m}")
     assert results[0]["losses"][0] != results[1]["losses"][0], (
         "both ranks report the same first loss: each rank must take its own slice of the "
         "batch (rank r: the r-th), or DDP averages N copies of one gradient")
+    trained = torch.cat([x for r in results for x in r["inputs"]]).flatten(1)
+    assert len(trained) == 2 * 3 * 8, f"{len(trained)} samples trained on, not 2 ranks x 3 x 8"
+    distinct = len(torch.unique(trained, dim=0))
+    assert distinct == len(trained), (
+        f"the 2 ranks trained on only {distinct} distinct samples in 3 steps of 8 each: some "
+        "sample was trained on twice. Each step takes a new global batch of world_size * "
+        "batch_size samples, and rank r its r-th slice of it: start at "
+        "(step * world_size + rank) * batch_size")
 
 
 def test_cast_map_shows_where_the_casts_happen():
@@ -717,6 +730,12 @@ def test_cast_map_shows_where_the_casts_happen():
             model = ConvNet()
             trainer = ddp_amp.Trainer(model, None, _sgd(model), CPU, precision=prec)
             maps[prec] = inspect.cast_map(trainer, *_batch(2))
+            rows = len(maps[prec])
+            trainer._run_batch(*_batch(2, seed=1))  # a later step, cast_map done
+            assert len(maps[prec]) == rows, (
+                f"the rows cast_map returned grew from {rows} to {len(maps[prec])} on a later "
+                "step: its forward hooks are still on the model. Remove each (handle.remove()) "
+                "once its step is done, in a finally: block")
     by_type = {}
     for row in maps["bf16"]:
         by_type.setdefault(row["type"], set()).add((row["param"], row["output"]))
@@ -850,6 +869,97 @@ def test_amp_cli_bad_input_is_one_line(args, words):
 def test_ddp_cli_bad_input_is_one_line(args, words):
     proc = run_script(script(LESSON, "ddp_amp.py"), *args, timeout=150)
     assert words in one_line_error(proc)
+
+
+def test_ddp_script_passes_clip_and_precision_on(monkeypatch):
+    # run() is given code: joining and training are stood in for, only the wiring is tested
+    mod = load(LESSON, "ddp_amp")
+    seen = {}
+    monkeypatch.setattr(mod, "ddp_setup", lambda local_rank, args: (0, 1, CPU))
+    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(mod.cli, "train_and_evaluate",
+                        lambda args, device, *fns, **options: seen.update(options) or {})
+    for flags, max_norm in ((["--clip", "0.5"], 0.5), ([], None), (["--clip", "0"], None)):
+        seen.clear()
+        mod.run(0, mod.build_parser().parse_args(["--precision", "bf16", *flags]))
+        assert seen.get("max_norm") == max_norm, (
+            f"ddp_amp.py {' '.join(flags) or '(no --clip)'} gave the Trainer "
+            f"max_norm={seen.get('max_norm')!r}, not {max_norm!r}: pass --clip on to it "
+            "(max_norm=args.clip or None: 0 or no flag means no clipping)")
+        assert seen.get("precision") == "bf16", (
+            f"ddp_amp.py --precision bf16 gave the Trainer precision={seen.get('precision')!r}")
+
+
+class _Stop(Exception):
+    """Raised by the stand-in Trainer: the test has seen what it needs."""
+
+
+def _amp_train_start(monkeypatch, *flags) -> dict:
+    """``amp_train.run()`` up to its Trainer, which is stood in for: the model's initial
+    weights, the optimizer's lr and the options the Trainer gets, and the CPU threads asked
+    for (recorded, not set: this process keeps its own)."""
+    mod = load(LESSON, "amp_train")
+    seen = {"threads": []}
+    monkeypatch.setattr(torch, "set_num_threads", seen["threads"].append)
+
+    def trainer(model, train_data, optimizer, device, **options):
+        seen.update(weights=copy.deepcopy(model.state_dict()),
+                    lr=optimizer.param_groups[0]["lr"], options=options)
+        raise _Stop
+
+    monkeypatch.setattr(mod, "Trainer", trainer)
+    with pytest.raises(_Stop):
+        mod.run(mod.build_parser().parse_args(["--device", "cpu", "--model", "mlp", *flags]))
+    return seen
+
+
+def test_amp_train_passes_its_flags_on(monkeypatch):
+    # run() is given code: the Trainer is stood in for, only the wiring is tested
+    seen = _amp_train_start(monkeypatch, "--lr", "0.125", "--clip", "0.5", "--threads", "3",
+                            "--seed", "3")
+    assert seen["lr"] == 0.125, (
+        f"amp_train.py --lr 0.125 built an optimizer with lr {seen['lr']}: pass --lr on to SGD")
+    for flags, max_norm in ((["--clip", "0.5"], 0.5), ([], 1.0), (["--clip", "0"], None)):
+        got = (seen if flags == ["--clip", "0.5"] else _amp_train_start(monkeypatch, *flags))
+        assert got["options"].get("max_norm") == max_norm, (
+            f"amp_train.py {' '.join(flags) or '(default --clip 1.0)'} gave the Trainer "
+            f"max_norm={got['options'].get('max_norm')!r}, not {max_norm!r}: pass --clip on "
+            "(max_norm=args.clip or None: 0 means no clipping)")
+    assert seen["threads"] == [3], (
+        f"amp_train.py --threads 3 set the CPU threads to {seen['threads']} (calls of "
+        "torch.set_num_threads): pass --threads on")
+    torch.randn(100)  # the global random state moves on between runs, as it does in a session
+    again = _amp_train_start(monkeypatch, "--seed", "3")
+    other = _amp_train_start(monkeypatch, "--seed", "4")
+    same = all(torch.equal(v, again["weights"][k]) for k, v in seen["weights"].items())
+    assert same, (
+        "two runs with --seed 3 start from different weights: seed torch "
+        "(torch.manual_seed(args.seed)) before building the model")
+    assert any(not torch.equal(v, other["weights"][k]) for k, v in seen["weights"].items()), (
+        "--seed 3 and --seed 4 start from the same weights: seed with args.seed")
+
+
+def test_amp_inspect_passes_its_flags_on(monkeypatch):
+    # main() is given code: the cast map (task 06.1's step) and the ranks are stood in for
+    import dpt.testing
+
+    mod = load(LESSON, "amp_inspect")
+    seen = {}
+
+    def fake_run_distributed(fn, world_size=None, **options):
+        seen.update(options.get("kwargs") or {})
+        r = {"allreduce_dtypes": [], "param_dtypes": [], "grad_dtypes": [],
+             "params": torch.zeros(1)}
+        return [r, r]
+
+    monkeypatch.setattr(mod, "cast_map", lambda trainer, source, targets: [])
+    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    mod.main(mod.build_parser().parse_args(["--precision", "fp32", "--steps", "5",
+                                            "--batch-size", "4"]))
+    got = {k: seen.get(k) for k in ("precision", "steps", "batch_size")}
+    assert got == {"precision": "fp32", "steps": 5, "batch_size": 4}, (
+        f"amp_inspect.py --precision fp32 --steps 5 --batch-size 4 ran ddp_dtypes with {got}: "
+        "pass each flag on to it")
 
 
 SMALL = ("--dataset", "fashion-mnist", "--train-limit", "128", "--test-limit", "51",
