@@ -118,8 +118,12 @@ def trainer_sampler_passes(rank, world_size, start_epoch, max_epochs):
                                                                sampler=sampler)),
                               torch.optim.SGD(model.parameters(), lr=0.01), rank_device())
         trainer.epochs_run = start_epoch
-        trainer.train(max_epochs, limit_batches=2)
-    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run,
+        modes = []  # the mode of each training forward
+        model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+        model.eval()  # as evaluate() may have left it: each epoch must switch it back
+        epoch_losses = trainer.train(max_epochs, limit_batches=2)
+    return {"passes": sampler.passes, "epochs_run": trainer.epochs_run, "modes": modes,
+            "epoch_losses": epoch_losses, "history": list(trainer.history),
             "model_sent": moves.module_sent(model, rank_device()),
             "unsent": unsent_message(moves, rank_device(), "the training batches",
                                      "the Trainer's epoch loop")}

@@ -176,6 +176,18 @@ def test_every_epoch_has_its_own_order_the_same_on_every_rank():
             "the Trainer never sent the model to its device: on a GPU the weights would stay "
             "on the CPU. Move it in __init__ (model.to(device)), before DDP wraps it")
         assert not r["unsent"], r["unsent"]
+        # the epoch loop around the task is given code: 2 batches an epoch, in training mode
+        assert len(r["modes"]) == 3 * 2, (
+            f"train(3, limit_batches=2) ran {len(r['modes'])} training batches, not 6: pass "
+            "limit_batches on to the epoch's batch loop")
+        assert all(r["modes"]), (
+            "a model left in eval mode (as evaluation leaves it) was trained in eval mode: "
+            "call self.model.train() at the start of each epoch")
+        assert len(r["history"]) == 6 and r["epoch_losses"] == pytest.approx(
+            [sum(r["history"][i:i + 2]) / 2 for i in (0, 2, 4)]), (
+            f"train() returned {r['epoch_losses']} and kept {r['history']} as the batch losses: "
+            "each epoch's loss is the mean of its batches' losses, and every batch's loss is "
+            "kept in history")
     for e in range(3):
         a, b = results[0]["passes"][e][1], results[1]["passes"][e][1]
         assert not set(a) & set(b), f"epoch {e}: the ranks' shares overlap"

@@ -272,6 +272,23 @@ def resumed(tmp_path_factory):
     return model, out
 
 
+@pytest.mark.timeout(150)
+def test_without_a_snapshot_the_trainer_starts_at_epoch_0_and_honours_limit_batches():
+    """Given code: a run started without --snapshot, as a first run is."""
+    out = run_distributed(rank_fns.trainer_without_a_snapshot, 2, timeout=120)
+    for rank, res in enumerate(out):
+        assert res["error"] is None, (
+            f"rank {rank}: Trainer(..., snapshot_path=None) raised {res['error']}: a run "
+            "without --snapshot has nothing to resume; check the path is given before "
+            "os.path.exists(path)")
+        assert res["epochs_run"] == 2 and len(res["losses"]) == 2, (
+            f"rank {rank}: train(2) from scratch ran to epoch {res['epochs_run']} with "
+            f"{len(res['losses'])} epoch losses, not 2")
+        assert res["forwards"] == 2 * 2, (
+            f"rank {rank}: train(2, limit_batches=2) ran {res['forwards']} batches, not 4: "
+            "pass limit_batches on to each epoch")
+
+
 @pytest.mark.task("04.5")
 @pytest.mark.timeout(150)
 def test_every_rank_starts_from_the_snapshot(resumed):

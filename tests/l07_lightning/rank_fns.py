@@ -49,4 +49,6 @@ def raw_epochs(rank: int, world_size: int, n: int = 48, batch_size: int = 4) -> 
     short = fd.raw_ddp_epoch(model, optimizer, dataset, batch_size, torch.device("cpu"),
                              epoch=2, max_batches=2)
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    return {"rank": rank, "orders": orders, "losses": losses, "short": short, "checksum": checksum}
+    return {"rank": rank, "orders": orders, "losses": losses, "short": short,
+            "short_order": dataset.asked[:2 * batch_size], "checksum": checksum,
+            "state": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}

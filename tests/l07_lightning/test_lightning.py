@@ -443,6 +443,26 @@ def test_the_raw_loop_gives_each_rank_its_own_share_in_a_new_order_each_epoch():
             f"with max_batches=2 the loop took {len(r['short'])} steps, not 2")
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6), (
         "after the same steps the two ranks' models differ")
+    # the same steps by hand: each step averages the two ranks' batch gradients, as DDP does
+    data = rank_fns.RecordingDataset(n)
+    torch.manual_seed(0)
+    from dpt.models import MLP
+    ref = MLP(16)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    shares = [list(zip(*(r["orders"][e] for r in ranks))) for e in (0, 1)]
+    shares.append(list(zip(*(r["short_order"] for r in ranks))))
+    for share in shares:
+        for b in range(0, len(share), batch_size):
+            opt.zero_grad()
+            per_rank = [list(idx) for idx in zip(*share[b:b + batch_size])]
+            loss = sum(F.cross_entropy(ref(data.x[i]), data.y[i]) for i in per_rank) / 2
+            loss.backward()
+            opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m: (
+            "after the raw loop the weights differ from plain SGD on the same batches (each "
+            "step the mean of the two ranks' gradients): zero the gradients before each "
+            f"backward (optimizer.zero_grad()), or they pile up from step to step\n{m}"))
 
 
 @requires_data
@@ -616,14 +636,26 @@ def test_bf16_mixed_precision_trains_on_cpu():
     ({"weights_summary": "top"}, {"enable_model_summary": True}),  # only None turned it off
 ])
 def test_migrate_trainer_kwargs(mig, old, new):
+    given = dict(old)
     got = mig.migrate_trainer_kwargs(old, cuda=True)
-    assert got == new, f"Lightning 1.x's Trainer({old}) becomes {got}, not {new}"
+    assert got == new, f"Lightning 1.x's Trainer({given}) becomes {got}, not {new}"
+    assert old == given, (
+        f"migrate_trainer_kwargs changed the caller's dict to {old}: build a new dict "
+        "(new = dict(old)) and pop from that")
 
 
 @pytest.mark.task("07.6")
-def test_ddp_sharded_becomes_fsdp_on_gpus_and_ddp_on_cpu(mig):
+def test_ddp_sharded_becomes_fsdp_on_gpus_and_ddp_on_cpu(mig, monkeypatch):
     assert mig.migrate_trainer_kwargs({"strategy": "ddp_sharded"}, cuda=True) == {"strategy": "fsdp"}
     assert mig.migrate_trainer_kwargs({"strategy": "ddp_sharded"}, cuda=False) == {"strategy": "ddp"}
+    # without cuda=, the machine decides
+    for available, strategy in ((True, "fsdp"), (False, "ddp")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        got = mig.migrate_trainer_kwargs({"strategy": "ddp_sharded"})
+        assert got == {"strategy": strategy}, (
+            f"with no cuda= on a machine {'with' if available else 'without'} CUDA, "
+            f"ddp_sharded became {got}, not {{'strategy': {strategy!r}}}: cuda=None means "
+            "ask torch.cuda.is_available()")
 
 
 def _readme_row(old_api):
