@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpt.dist import group_of_one
 from dpt.testing import RankFailure, run_distributed
 from tests.helpers import one_line_error, run_script
 from tests.lessons import load, script
@@ -630,19 +631,19 @@ def test_forward_passes_keyword_arguments_on():
 
 
 @pytest.fixture
-def fake_world(monkeypatch):
-    """BucketedDDP built in this process, as one rank of 2: no communication happens at
-    construction once the initial broadcast is a no-op; reference parts for tasks 05.6-05.7."""
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", lambda m, src=0: None)
+def one_process_bucketed(monkeypatch):
+    """The lesson's bucketed_ddp, built in this process as a world of one (the shared
+    group_of_one), with the reference parts for tasks 05.2 and 05.6-05.7: only given code is
+    graded."""
+    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", rf.ref_broadcast_state)
     bucketed = load(LESSON, "bucketed_ddp")
     monkeypatch.setattr(bucketed, "assign_buckets", rf.ref_assign_buckets)
     monkeypatch.setattr(bucketed.BucketedDDP, "_register_hooks", rf.ref_bucket_hooks)
-    return bucketed
+    with group_of_one():
+        yield bucketed
 
 
-def test_gradients_as_bucket_views_keep_a_gradient_the_model_already_had(fake_world):
+def test_gradients_as_bucket_views_keep_a_gradient_the_model_already_had(one_process_bucketed):
     module = rf.build("toy", seed=0)
     torch.manual_seed(1)
     before = {}
@@ -650,7 +651,7 @@ def test_gradients_as_bucket_views_keep_a_gradient_the_model_already_had(fake_wo
         if p.requires_grad:
             p.grad = torch.randn_like(p)
             before[name] = p.grad.clone()
-    fake_world.BucketedDDP(module, bucket_cap_mb=PARTIAL_MB, gradient_as_bucket_view=True)
+    one_process_bucketed.BucketedDDP(module, bucket_cap_mb=PARTIAL_MB, gradient_as_bucket_view=True)
     lost = [n for n, p in module.named_parameters() if n in before
             and not torch.equal(p.grad, before[n])]
     assert not lost, (
@@ -659,10 +660,10 @@ def test_gradients_as_bucket_views_keep_a_gradient_the_model_already_had(fake_wo
         f"(view.copy_(p.grad)) before pointing .grad at the view")
 
 
-def test_a_bucket_mixing_dtypes_is_refused(fake_world):
+def test_a_bucket_mixing_dtypes_is_refused(one_process_bucketed):
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2).double())
     try:
-        fake_world.BucketedDDP(module, bucket_cap_mb=HUGE_MB)  # one bucket for both
+        one_process_bucketed.BucketedDDP(module, bucket_cap_mb=HUGE_MB)  # one bucket for both
     except ValueError as exc:
         assert "mix" in str(exc), str(exc)
     else:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from dpt.models import MLP
 from dpt.testing import run_distributed
 from tests.helpers import one_line_error, requires_data, run_script
 from tests.l07_lightning import rank_fns
@@ -375,7 +376,6 @@ def test_fabric_loader_and_epoch_match_the_raw_loop_on_one_device():
     from lightning_fabric import Fabric
 
     fd = load(LESSON, "fabric_ddp")
-    from dpt.models import MLP
 
     fabric = Fabric(accelerator="cpu", devices=1)
     x, y = _synthetic(48)
@@ -446,7 +446,6 @@ def test_the_raw_loop_gives_each_rank_its_own_share_in_a_new_order_each_epoch():
     # the same steps by hand: each step averages the two ranks' batch gradients, as DDP does
     data = rank_fns.RecordingDataset(n)
     torch.manual_seed(0)
-    from dpt.models import MLP
     ref = MLP(16)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     shares = [list(zip(*(r["orders"][e] for r in ranks))) for e in (0, 1)]
