@@ -501,6 +501,95 @@ def test_fabric_script_bad_input_is_one_line(args, words):
         f"starts: {line}")
 
 
+def _reference_fabric_parts(fd, monkeypatch, seen):
+    """Tasks 07.5 replaced by the reference loader and epoch, so a test of the given script
+    code grades that code alone; ``seen`` collects the batch sizes, epochs and losses."""
+    from torch.utils.data import DataLoader as Loader
+
+    def fabric_loader(fabric, dataset, batch_size):
+        seen["batch_size"].append(batch_size)
+        return fabric.setup_dataloaders(Loader(dataset, batch_size=batch_size, shuffle=True))
+
+    def fabric_epoch(fabric, model, optimizer, loader, max_batches=None):
+        losses = []
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            losses.append(loss.item())
+        seen["epochs"].append(losses)
+        return losses
+
+    monkeypatch.setattr(fd, "fabric_loader", fabric_loader)
+    monkeypatch.setattr(fd, "fabric_epoch", fabric_epoch)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("epochs, limit, lr", [(2, 48, 0.0), (3, 64, 0.05)])
+def test_fabric_script_passes_its_flags_on_and_reports_the_last_ten_losses(
+        epochs, limit, lr, monkeypatch, capsys):
+    """``main`` and ``run`` are given code. One process in pytest: a Fabric of one CPU device
+    stands in for the launch it asked for (written down), and synthetic data for the files.
+    With ``--lr 0`` Adam leaves every weight where the seeded init put it."""
+    import lightning_fabric
+
+    import dpt.dist
+
+    fd = load(LESSON, "fabric_ddp")
+    seen = {"fabric": [], "limit": [], "threads": [], "batch_size": [], "epochs": []}
+    _reference_fabric_parts(fd, monkeypatch, seen)
+
+    class OneDevice(lightning_fabric.Fabric):
+        def __init__(self, **kwargs):
+            seen["fabric"].append(kwargs)
+            super().__init__(accelerator="cpu", devices=1)
+
+    def train_set(limit=None, name="fashion-mnist"):
+        seen["limit"].append(limit)
+        return TensorDataset(*_synthetic(limit or 1000, seed=9))
+
+    monkeypatch.setattr(lightning_fabric, "Fabric", OneDevice)
+    monkeypatch.setattr(fd, "fashion_train_set", train_set)
+    monkeypatch.setattr(fd, "prepare", lambda *a, **kw: None)
+    monkeypatch.setattr(dpt.dist, "set_threads", seen["threads"].append)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything writes it; put it back after
+    seed, hidden, batch = 5, 32, 16
+    code = fd.main(["--devices", "3", "--strategy", "ddp_spawn", "--epochs", str(epochs),
+                    "--batch-size", str(batch), "--limit", str(limit), "--lr", str(lr),
+                    "--hidden-dim", str(hidden), "--seed", str(seed)])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert seen["fabric"] == [dict(accelerator="cpu", devices=3, strategy="ddp_spawn")], (
+        f"main() built Fabric{seen['fabric']} for --devices 3 --strategy ddp_spawn: pass both "
+        "flags on")
+    assert seen["threads"] == [dpt.dist.threads_per_rank(3)], (
+        f"set_threads got {seen['threads']}: split the cores among the 3 ranks")
+    assert seen["limit"] == [limit] and seen["batch_size"] == [batch], (
+        f"run() loaded limit={seen['limit']} and batched by {seen['batch_size']}, not "
+        f"--limit {limit} and --batch-size {batch}")
+    assert len(seen["epochs"]) == epochs, (
+        f"--epochs {epochs} ran {len(seen['epochs'])} epoch(s)")
+    losses = [loss for epoch in seen["epochs"] for loss in epoch]
+    (line,) = [ln for ln in out.out.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[7:])
+    assert result["steps"] == len(losses) == epochs * (limit // batch)
+    assert result["first_loss"] == losses[0]
+    last = losses[-10:]
+    assert result["mean_last_loss"] == pytest.approx(sum(last) / len(last), rel=1e-6), (
+        f"mean_last_loss is {result['mean_last_loss']:.5f}, not the mean of the last "
+        f"{len(last)} of {len(losses)} losses ({sum(last) / len(last):.5f}): divide their sum "
+        f"by how many there are")
+    if lr == 0:
+        lightning_fabric.seed_everything(seed)
+        init = MLP(hidden)
+        checksum = sum(p.detach().double().sum().item() for p in init.parameters())
+        assert result["param_checksum"] == pytest.approx(checksum, abs=1e-9), (
+            "with --lr 0 the weights are not the seeded init of MLP(--hidden-dim): seed "
+            "every rank alike (fabric.seed_everything(args.seed)) before building the model, "
+            "and give Adam lr=args.lr")
+
+
 # ------------------------------------------------------------------ strategies, 2 processes
 
 
@@ -599,6 +688,139 @@ def test_gpu_only_choices_stop_on_cpu_with_one_clear_line(args, needle):
         pytest.skip("this machine has a GPU")
     proc = run_script(script(LESSON, "lit_train.py"), *FASHION, *args, timeout=150)
     assert needle in one_line_error(proc)
+
+
+class _RecordingTrainer:
+    """Stands in for ``pl.Trainer`` in ``lit_train.main``: writes down what it is asked."""
+
+    made: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        self.callback_metrics = {"val_loss": torch.tensor(0.5)}
+        self.is_global_zero, self.world_size = True, kwargs.get("devices", 1)
+        _RecordingTrainer.made.append(self)
+
+    def fit(self, model, datamodule=None, **kwargs):
+        self.calls.append(("fit", model, datamodule))
+
+    def validate(self, model=None, datamodule=None, **kwargs):
+        self.calls.append(("validate", model, datamodule))
+        return [{"val_acc": 0.0}]
+
+    def test(self, model=None, datamodule=None, **kwargs):
+        self.calls.append(("test", model, datamodule))
+        return [{"test_acc": 0.25}]
+
+
+@pytest.fixture
+def lit_train(monkeypatch):
+    """``lit_train`` with a recording Trainer, no thread change and no seed left behind."""
+    import pytorch_lightning as pl
+
+    lt = load(LESSON, "lit_train")
+    _RecordingTrainer.made = []
+    threads = []
+    monkeypatch.setattr(pl, "Trainer", _RecordingTrainer)
+    monkeypatch.setattr(lt, "set_threads", threads.append)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything writes it; put it back after
+    lt.threads_seen = threads
+    return lt
+
+
+def test_lit_train_passes_every_flag_on(lit_train, capsys):
+    """``main`` is given code: each flag must reach the Trainer, the module or the data."""
+    from dpt.dist import threads_per_rank
+
+    code = lit_train.main(["--dataset", "fashion-mnist", "--devices", "2", "--strategy",
+                           "ddp_spawn", "--precision", "bf16-mixed", "--epochs", "3", "--lr",
+                           "0.01", "--batch-size", "8", "--hidden-dim", "32", "--train-limit",
+                           "100", "--val-limit", "20", "--limit-train-batches", "0.5",
+                           "--seed", "7", "--test"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    (trainer,) = _RecordingTrainer.made
+    asked = {k: trainer.kwargs.get(k) for k in ("accelerator", "devices", "strategy",
+                                                 "precision", "max_epochs",
+                                                 "limit_train_batches")}
+    assert asked == dict(accelerator="cpu", devices=2, strategy="ddp_spawn",
+                         precision="bf16-mixed", max_epochs=3, limit_train_batches=0.5), (
+        f"the Trainer was built with {asked}: pass --accelerator, --devices, --strategy, "
+        "--precision, --epochs (max_epochs) and --limit-train-batches on")
+    assert lit_train.threads_seen == [threads_per_rank(2)]
+    kind, model, dm = trainer.calls[0]
+    assert kind == "fit"
+    assert model.hparams.learning_rate == 0.01 and model.hparams.hidden_dim == 32, (
+        f"LitClassifier got {dict(model.hparams)}: pass --lr and --hidden-dim on")
+    assert (dm.dataset, dm.batch_size, dm.train_limit, dm.val_limit, dm.seed) == \
+        ("fashion-mnist", 8, 100, 20, 7), "the DataModule did not get the data flags"
+    assert [c[0] for c in trainer.calls] == ["fit", "test"], (
+        f"--test made the Trainer call {[c[0] for c in trainer.calls][1:]}: it asks for the "
+        "test set's accuracy, Trainer.test(), not another validation")
+    (line,) = [ln for ln in out.out.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[7:])
+    assert result["test_acc"] == 0.25 and result["val_loss"] == 0.5
+    assert (result["strategy"], result["devices"], result["precision"]) == \
+        ("ddp_spawn", 2, "bf16-mixed")
+
+
+@pytest.mark.parametrize("flag, value", [("--epochs", "0"), ("--batch-size", "0")])
+def test_lit_train_refuses_nothing_to_train_before_the_trainer(lit_train, capsys, flag, value):
+    code = lit_train.main(["--dataset", "fashion-mnist", flag, value])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not _RecordingTrainer.made, (
+        f"{flag} {value} went on to build a Trainer: refuse it first, with one line")
+    assert len(err.splitlines()) == 1 and flag.lstrip("-").split("-")[0] in err, err
+
+
+def _must_refuse(call, needle, why):
+    """``call()`` must raise lit_train's UsageError (a ValueError) whose text has ``needle``."""
+    try:
+        call()
+    except ValueError as exc:
+        assert needle in str(exc), f"{why}; the error says: {exc}"
+    else:
+        pytest.fail(why)
+
+
+def test_mps_serves_one_process_and_auto_falls_back_to_cpu(capsys):
+    lt = load(LESSON, "lit_train")
+    _must_refuse(lambda: lt.resolve_accelerator("mps", 2, cuda_available=False,
+                                                mps_available=True), "--devices 2",
+                 "--accelerator mps --devices 2 was accepted: MPS serves one process, and no "
+                 "distributed backend runs on it; refuse it, naming --devices")
+    _must_refuse(lambda: lt.resolve_accelerator("mps", 1, cuda_available=False,
+                                                mps_available=False), "MPS",
+                 "--accelerator mps was accepted on a machine without MPS: refuse it here, "
+                 "in one line, before Lightning fails deep inside")
+    assert lt.resolve_accelerator("mps", 1, cuda_available=False, mps_available=True) == "mps"
+    assert lt.resolve_accelerator("auto", 2, cuda_available=False, mps_available=True) == "cpu", (
+        "auto with 2 devices on a Mac (MPS, no CUDA) must run 2 CPU processes: MPS serves one")
+    assert "CPU processes" in capsys.readouterr().err, "the switch to the CPU is not announced"
+    assert lt.resolve_accelerator("auto", 1, cuda_available=False, mps_available=True) == "auto"
+    assert lt.resolve_accelerator("auto", 2, cuda_available=True, mps_available=True) == "auto"
+    assert lt.resolve_accelerator("cpu", 2, cuda_available=False, mps_available=True) == "cpu"
+
+
+def test_deepspeed_on_a_gpu_still_needs_the_package():
+    lt = load(LESSON, "lit_train")
+    _must_refuse(lambda: lt.check_choices("gpu", "deepspeed", "32-true", 1, cuda_available=True,
+                                          deepspeed_installed=False), "pip install deepspeed",
+                 "--strategy deepspeed was accepted without the deepspeed package: say how to "
+                 "install it, before Lightning fails on every rank")
+    lt.check_choices("gpu", "deepspeed", "32-true", 1, cuda_available=True,
+                     deepspeed_installed=True)
+    lt.check_choices("gpu", "fsdp", "16-mixed", 2, cuda_available=True, deepspeed_installed=False)
+
+
+def test_the_datamodule_keeps_the_order_when_asked_and_refuses_batch_zero(lf):
+    dm = lf.FashionDataModule(batch_size=8, shuffle=False, verbose=False)
+    dm.train_set = TensorDataset(torch.arange(64.0), torch.arange(64) % 10)
+    assert next(iter(dm.train_dataloader()))[0].tolist() == list(range(8)), (
+        "shuffle=False still shuffles: pass self.shuffle to the train DataLoader")
+    _must_refuse(lambda: lf.FashionDataModule(batch_size=0, verbose=False), "batch size",
+                 "FashionDataModule(batch_size=0) was accepted: check it in __init__ "
+                 "(dpt.data.check_batch_size), or every rank fails later in its DataLoader")
 
 
 @requires_data
@@ -716,3 +938,31 @@ def test_every_old_api_of_the_issue_has_a_row(mig):
                    "ddp2", "ddp_sharded", "training_step_end", "training_epoch_end",
                    "weights_summary", "Accuracy(num_classes="]:
         assert needle in olds, needle
+
+
+def test_the_readme_table_is_what_the_script_prints(mig, monkeypatch):
+    """``python lit_migration.py`` prints the table the README shows: every row, with its
+    note and the first sentence of what this Lightning install says. The table reads only
+    the old calls, so task 07.6 is stood in for (every new call gets no extra arguments)."""
+    monkeypatch.setattr(mig, "migrate_trainer_kwargs", lambda old, cuda=None: {})
+    readme = set(script(LESSON, "README.md").read_text().splitlines())
+    table = mig.markdown_table().splitlines()
+    assert len(table) == 2 + len(mig.ROWS), "one table row per migration row, under a header"
+    missing = [ln for ln in table if ln not in readme]
+    assert not missing, (
+        "the README's migration table is not what `python lit_migration.py` prints (a row's "
+        "note dropped, or its error cut at the wrong place?); these lines differ:\n"
+        + "\n".join(missing))
+
+
+def test_the_new_hooks_keep_what_the_old_ones_were_handed(mig):
+    """The 2.x rows' modules: the epoch's losses kept as an attribute and averaged at its end,
+    and every rank's outputs gathered in training_step (one device: a single batch)."""
+    module = mig._fit(mig.NewEpochEnd(), max_steps=3)
+    assert len(module.step_losses) == 3
+    assert module.epoch_mean.item() == pytest.approx(
+        sum(v.item() for v in module.step_losses) / 3), (
+        "on_train_epoch_end's epoch_mean is not the mean of the epoch's step losses")
+    module = mig._fit(mig.NewStepEnd(), max_steps=1)
+    assert module.gathered_shape == (8, 10), (
+        f"all_gather of one device's (8, 10) logits gave {module.gathered_shape}")
