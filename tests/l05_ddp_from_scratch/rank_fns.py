@@ -261,26 +261,28 @@ VARIANT_TASKS = {"naive": ["05.2", "05.3", "05.9"], "overlap": ["05.2", "05.4", 
                  "bucketed": ["05.2", "05.6", "05.7", "05.8", "05.9"]}
 
 
-def apply_patches(parts) -> None:
+def apply_patches(parts, set_attr=setattr) -> None:
+    """Put the reference ``parts`` in place. In a rank process for good (``setattr``); in the
+    test process pass ``monkeypatch.setattr``, so that the lesson code is restored after."""
     base, naive, overlap, bucketed = (load(LESSON, m) for m in (
         "ddp_base", "naive_ddp", "overlap_ddp", "bucketed_ddp"))
     for part in parts:
         if part == "broadcast":
-            base.broadcast_state = ref_broadcast_state
+            set_attr(base, "broadcast_state", ref_broadcast_state)
         elif part == "naive_finish":
-            naive.NaiveDDP.finish_gradient_synchronization = ref_naive_finish
+            set_attr(naive.NaiveDDP, "finish_gradient_synchronization", ref_naive_finish)
         elif part == "no_sync":
-            base.DDPBase.no_sync = ref_no_sync
+            set_attr(base.DDPBase, "no_sync", ref_no_sync)
         elif part == "overlap_hooks":
-            overlap.OverlapDDP._register_hooks = ref_overlap_hooks
+            set_attr(overlap.OverlapDDP, "_register_hooks", ref_overlap_hooks)
         elif part == "overlap_finish":
-            overlap.OverlapDDP.finish_gradient_synchronization = ref_overlap_finish
+            set_attr(overlap.OverlapDDP, "finish_gradient_synchronization", ref_overlap_finish)
         elif part == "assign":
-            bucketed.assign_buckets = ref_assign_buckets
+            set_attr(bucketed, "assign_buckets", ref_assign_buckets)
         elif part == "bucket_hooks":
-            bucketed.BucketedDDP._register_hooks = ref_bucket_hooks
+            set_attr(bucketed.BucketedDDP, "_register_hooks", ref_bucket_hooks)
         elif part == "bucket_finish":
-            bucketed.BucketedDDP.finish_gradient_synchronization = ref_bucket_finish
+            set_attr(bucketed.BucketedDDP, "finish_gradient_synchronization", ref_bucket_finish)
         else:
             raise ValueError(part)
 

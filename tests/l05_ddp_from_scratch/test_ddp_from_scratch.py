@@ -881,3 +881,313 @@ def test_the_notebook_comparison_trains_each_rank_on_its_slice_and_syncs_before_
                              "torch DDP matches: call sync() (finish_gradient_synchronization) "
                              "after backward and BEFORE opt.step(), or each rank steps on its "
                              "own gradients"))
+
+
+# --------------------------------------------------------------------------- the notebook's given code, in-process
+def _demo_batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_the_notebooks_train_steps_on_fresh_gradients_synced_before_each_step():
+    """scratch_demo.train: per step, zero_grad, backward, sync(), SGD(lr=0.1, momentum=0.9)."""
+    import torch.nn.functional as F
+
+    demo = load(LESSON, "scratch_demo")
+    x, y = _demo_batch(4)
+    model = demo.make_model(seed=0)
+    params = list(model.parameters())
+    at_sync = []
+
+    def sync():  # the gradient this step's loss has at the current weights
+        fresh = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+        at_sync.append(all(p.grad is not None and torch.allclose(p.grad, f)
+                           for p, f in zip(params, fresh)))
+
+    demo.train(model, x, y, 3, sync)
+    assert len(at_sync) == 3, (
+        f"train(model, x, y, steps=3) called sync() {len(at_sync)} times: it must take "
+        "exactly `steps` steps, each one backward, one sync() and one opt.step()")
+    assert all(at_sync), (
+        f"at sync() of steps {[i for i, ok in enumerate(at_sync) if not ok]}, .grad was not "
+        "this step's gradient at the current weights: zero the gradients before each backward "
+        "(opt.zero_grad), or the previous steps' gradients are added in (and call sync() "
+        "after backward, before opt.step())")
+    ref = demo.make_model(seed=0)
+    opt = rf.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=lambda m, n=name: (
+            f"{n} after train(): not 3 steps of SGD(lr=0.1, momentum=0.9): {m}"))
+
+
+class _Recorder(nn.Module):
+    """Stands in for a wrapper in compare_rank: notes the start it was given and the batches
+    it saw; syncs nothing."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.inputs = []
+
+    def forward(self, x):
+        self.inputs.append(x.detach().clone())
+        return self.module(x)
+
+
+def test_compare_rank_starts_each_rank_from_its_own_seed_on_its_own_slice(monkeypatch):
+    """scratch_demo.compare_rank, rank 1 of 4, in this process, with a recording wrapper:
+    the start is rank 1's own (the broadcast must fix it) and the batch rows are x[2:4]."""
+    demo = load(LESSON, "scratch_demo")
+    built = []
+
+    def wrapper(module):
+        built.append(_Recorder(module))
+        return built[-1]
+
+    monkeypatch.setattr(demo, "WRAPPERS", {"recorded": wrapper})
+    x, y = _demo_batch(8)
+    states = demo.compare_rank(1, 4, x, y, steps=1)
+    assert list(states) == ["recorded"] and len(built) == 1, (list(states), len(built))
+    rec = built[0]
+    own, rank0 = demo.make_model(seed=1).state_dict(), demo.make_model(seed=0).state_dict()
+    assert all(torch.equal(rec.start[k], own[k]) for k in own), (
+        "rank 1's model did not start from make_model(seed=rank)"
+        + (": it starts from rank 0's weights, so the comparison cannot show that the "
+           "wrappers' broadcast matters" if all(torch.equal(rec.start[k], rank0[k]) for k in rank0)
+           else ""))
+    got = rec.inputs[0]
+    halves = " (x.shape[0] // 2: a hard-coded 2 ranks?)" if torch.equal(got, x[4:8]) else ""
+    assert torch.equal(got, x[2:4]), (
+        f"rank 1 of 4 trained on {got.shape[0]} rows that are not x[2:4]{halves}: each rank "
+        "takes per_rank = x.shape[0] // world_size rows, x[rank * per_rank:(rank + 1) * "
+        "per_rank]")
+
+
+def test_compare_rank_builds_models_and_batches_on_the_rank_device(monkeypatch):
+    """With rank_device() patched to 'meta', the model a wrapper gets and the batch its
+    forward sees must both be there (on a GPU machine: the rank's GPU)."""
+    import dpt.dist
+
+    demo = load(LESSON, "scratch_demo")
+    monkeypatch.setattr(dpt.dist, "rank_device", lambda: torch.device("meta"))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Probe(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            seen["model"] = sorted({str(p.device) for p in module.parameters()})
+
+        def forward(self, x):
+            seen["batch"] = str(x.device)
+            raise Stop
+
+    monkeypatch.setattr(demo, "WRAPPERS", {"probe": Probe})
+    x, y = _demo_batch(4)
+    with pytest.raises(Stop):
+        demo.compare_rank(0, 2, x, y, steps=1)
+    assert seen == {"model": ["meta"], "batch": "meta"}, (
+        f"rank_device() is 'meta' and compare_rank put the model on {seen.get('model')} and "
+        f"the batch on {seen.get('batch')}: pass device=rank_device() to make_model and move "
+        "the slices there, or on a GPU machine model and batch meet on different devices")
+
+
+def test_the_timeline_model_is_linear_layers_with_relus_between():
+    demo = load(LESSON, "scratch_demo")
+    model = demo.timeline_model(width=8, depth=2)
+    layers = [(n, type(m).__name__) for n, m in model.named_children()]
+    assert layers == [("fc1", "Linear"), ("relu1", "ReLU"), ("fc2", "Linear"), ("relu2", "ReLU"),
+                      ("out", "Linear")], (
+        f"timeline_model(width=8, depth=2) is {layers}: depth Linear(width, width) layers "
+        "named fc1..fc<depth>, each followed by a ReLU, then out = Linear(width, 10)")
+    assert (model.fc1.in_features, model.out.out_features) == (8, 10)
+
+
+class _ScriptedClock:
+    """time.perf_counter and time.sleep: the time moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+    def advance_ms(self, ms):
+        self.now += ms / 1e3
+
+
+def test_a_layer_is_ready_when_its_last_gradient_is_in(monkeypatch):
+    import time
+
+    demo = load(LESSON, "scratch_demo")
+    clock = _ScriptedClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    weight, bias = torch.zeros(2), torch.zeros(1)
+    recording = {"log": None}
+    hook = demo._ready_hook(recording, {id(weight): "fc1", id(bias): "fc1"})
+    hook(weight)  # a warm-up step: nothing is recorded
+    recording["log"] = {"ready": {}, "allreduce": []}
+    clock.advance_ms(5)
+    hook(bias)
+    clock.advance_ms(5)
+    hook(weight)
+    assert recording["log"]["ready"] == {"fc1": clock.now}, (
+        f"the hook recorded {recording['log']['ready']} for a layer whose bias came in at "
+        f"{clock.now - 0.005} and weight at {clock.now}: a layer is ready when its LAST "
+        "gradient is in (overwrite the time, don't keep the first)")
+
+
+class _ClockWork:
+    """An async all-reduce in a world of one that completes in wait(), 2 ms later."""
+
+    def __init__(self, clock):
+        self.clock, self.future = clock, torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self, timeout=None):
+        if not self.future.done():
+            self.clock.advance_ms(2)
+            self.future.set_result(None)
+        return True
+
+
+@pytest.fixture
+def reference_parts(monkeypatch):
+    """Every task's reference part in place for this test (undone after it): the given code
+    around them is what is checked."""
+    rf.apply_patches(sorted(set(rf.TASK_PARTS.values())), set_attr=monkeypatch.setattr)
+
+
+def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatch,
+                                                                      reference_parts):
+    """scratch_demo.timeline_rank in a world of one, on a clock that moves only when told:
+    1 ms per all-reduce launch, 2 ms per async wait, and the optimizer steps of each variant
+    take 100 (warm-up), 50, 10 and 30 ms. Nothing here depends on the machine's speed."""
+    import itertools
+    import time
+
+    demo = load(LESSON, "scratch_demo")
+    clock = _ScriptedClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    step_ms = itertools.cycle([100, 50, 10, 30])
+
+    class ScriptedSGD:
+        def __init__(self, params, lr):
+            self.params = list(params)
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.params:
+                p.grad = None
+
+        def step(self):
+            clock.advance_ms(next(step_ms))
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        clock.advance_ms(1)  # a world of one: the sum is the tensor itself
+        return _ClockWork(clock) if async_op else None
+
+    barriers = []
+    monkeypatch.setattr(torch.optim, "SGD", ScriptedSGD)
+    width, depth = 128, 2
+    with group_of_one():
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(clock.now))
+        # 0.1 MB: out, fc2 and fc1's bias in one bucket, fc1's weight in another
+        out = demo.timeline_rank(0, 1, batch=4, width=width, depth=depth, bucket_cap_mb=0.1,
+                                 steps=3, warmup=1)
+        restored = dist.all_reduce is all_reduce
+        n_barriers = len(barriers)
+    assert restored, ("timeline_rank left its tracing wrapper in torch.distributed.all_reduce: "
+                      "put the real one back in a finally:, or every later all-reduce of the "
+                      "process is traced")
+    assert n_barriers == 2 * (1 + 3), (
+        f"dist.barrier() was called {n_barriers} times in 8 steps (2 variants x (1 warm-up "
+        "+ 3 recorded)): call it before each step's backward, so that every rank starts the "
+        "recorded step at the same moment")
+    grad_bytes = sum(p.numel() * p.element_size()
+                     for p in demo.timeline_model(width, depth).parameters())
+    for name, run in out["runs"].items():
+        kept = run["step"][1] - run["step"][0]
+        assert kept != pytest.approx(0.030), (
+            f"{name}: the kept step's optimizer step lasted 30 ms and the timeline says {kept}: "
+            "times must be milliseconds ((t - t0) * 1e3), not seconds")
+        assert kept == pytest.approx(30), (
+            f"{name}: the recorded optimizer steps took 50, 10 and 30 ms, and the kept step's "
+            f"took {kept} ms: keep the step of median length (sorted, the middle one), not the "
+            "first or the fastest")
+        sent = [e["bytes"] for e in run["allreduce"]]
+        assert sum(sent) == grad_bytes, (
+            f"{name}: the all-reduces carried {sent} bytes, {sum(sent)} in all, for "
+            f"{grad_bytes} bytes of gradients: bytes are numel() * element_size(), not elements")
+    bucketed = out["runs"]["bucketed"]
+    assert [e["async"] for e in bucketed["allreduce"]] == [True, True], bucketed["allreduce"]
+    early = [e for e in bucketed["allreduce"] if not e["done"] > bucketed["sync"][0]]
+    assert not early, (
+        f"async all-reduces {early} are marked done before finish_gradient_synchronization "
+        f"(from {bucketed['sync'][0]} ms), where their wait() completes them: an async call is "
+        "done when its future completes (work.get_future().add_done_callback), not when the "
+        "launching call returns")
+    assert out["config"]["grad_mb"] == round(grad_bytes / 2**20, 2), (
+        f"grad_mb is {out['config']['grad_mb']} for {grad_bytes} bytes: MiB (/ 2**20), the "
+        "unit of bucket_cap_mb")
+
+
+def test_the_step_split_stacks_communication_after_compute_and_saves(monkeypatch, tmp_path):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    demo = load(LESSON, "scratch_demo")
+    summary = {"torch": {"compute_s": 0.650, "comm_s": 0.033, "throughput_vs_torch": 1.0},
+               "bucketed": {"compute_s": 0.600, "comm_s": 0.003, "throughput_vs_torch": 1.1}}
+    path = tmp_path / "split.png"
+    fig = demo.plot_step_split({"summary": summary, "config": {
+        "world_size": 2, "backend": "gloo", "threads_per_rank": 1, "batch": 512}}, path)
+    try:
+        left, right = fig.axes
+        bars = [(float(p.get_x()), float(p.get_width())) for p in left.patches]
+        flat = [v for bar in bars for v in bar]
+        assert flat == pytest.approx([0, 650, 0, 600, 650, 33, 600, 3]), (
+            f"left panel bars (start, width) in ms: {bars}: each variant's compute bar from 0, "
+            "then its communication bar starting where the compute ends (left=compute)")
+        widths = [float(p.get_width()) for p in right.patches]
+        assert widths == pytest.approx([33, 3]), (
+            f"the right panel's bars are {widths} ms: it magnifies the communication + waiting "
+            "alone (33 and 3 ms), not the whole step")
+        assert path.is_file() and path.stat().st_size > 0, (
+            "plot_step_split(result, path) wrote no file: fig.savefig(path)")
+    finally:
+        plt.close(fig)
+
+
+def test_naive_makes_no_collective_when_sync_is_off(monkeypatch):
+    """Given code of NaiveDDP.finish_gradient_synchronization: with require_sync False (as
+    inside no_sync()) it returns before any communication."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", rf.ref_broadcast_state)
+    naive = load(LESSON, "naive_ddp")
+    calls = []
+    with group_of_one():
+        model = naive.NaiveDDP(rf.build("toy", seed=0))
+        x, y = rf.global_batch("toy", 0)
+        F.cross_entropy(model(x), y).backward()
+        model.require_sync = False
+        monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(a))
+        model.finish_gradient_synchronization()
+    assert not calls, (
+        f"NaiveDDP made {len(calls)} all-reduce(s) with require_sync False (inside no_sync()): "
+        "keep the early return at the top of finish_gradient_synchronization")

@@ -17,7 +17,10 @@ nothing about the numbers, and each test compares against plain fp32 SGD written
 from __future__ import annotations
 
 import copy
+import importlib.abc
+import importlib.machinery
 import math
+import re
 import sys
 import types
 
@@ -164,6 +167,76 @@ def test_fp16_gradient_underflows_and_survives_with_loss_scaling(demo):
     assert demo.chain_underflow(scale=1.0) == 0.0
     assert demo.chain_underflow(scale=2.0 ** 15) == pytest.approx(1e-8, rel=2e-2)
     assert demo.chain_underflow(dtype=torch.bfloat16) == pytest.approx(1e-8, rel=3e-2)
+
+
+def test_round_trip_reads_the_values_back_in_fp32(demo):
+    values = torch.tensor([1.0, 1e-8, 70000.0])
+    for dtype in (torch.float16, torch.bfloat16):
+        out = demo.round_trip(values, dtype)
+        assert out.dtype == torch.float32, (
+            f"round_trip(values, {dtype}) returned a {out.dtype} tensor: it stores the values in "
+            "the 16-bit dtype and reads them BACK in fp32 (.to(dtype).to(torch.float32))")
+    out = demo.round_trip(values, torch.float16)
+    assert out[0] == 1.0 and out[1] == 0.0 and math.isinf(out[2]), (
+        f"fp16 keeps 1.0, flushes 1e-8 to 0 and overflows 70000 (> 65504) to inf; round_trip "
+        f"gave {out.tolist()}")
+
+
+def test_underflow_demo_uses_the_gradient_and_the_scale_it_is_given(demo):
+    out = demo.underflow_demo(grad_value=1e-3, scale=2.0 ** 8)
+    assert out["fp32"] == pytest.approx(1e-3, rel=1e-6), (
+        f"underflow_demo(grad_value=1e-3) computed an fp32 gradient of {out['fp32']:.3g}: the "
+        "input x must be grad_value, not a fixed 1e-8")
+    assert out["scale"] == 2.0 ** 8, f"underflow_demo(scale=256) reports scale {out['scale']}"
+    assert out["fp16_scaled"] == pytest.approx(1e-3 * 2.0 ** 8, rel=1e-3), (
+        f"underflow_demo(grad_value=1e-3, scale=256) reports a scaled fp16 gradient of "
+        f"{out['fp16_scaled']:.3g}, not grad_value * scale = 0.256: multiply by the scale it "
+        "is given (not a fixed 2**16), and report the gradient BEFORE dividing by the scale")
+    assert out["fp16_scaled_unscaled"] == pytest.approx(1e-3, rel=1e-3), (
+        "the scaled fp16 gradient divided by the scale in fp32 must give grad_value back")
+
+
+def test_chain_underflow_multiplies_by_the_factor_it_is_given(demo):
+    got = demo.chain_underflow(n=3, factor=0.5)
+    assert got == 0.125, (
+        f"chain_underflow(n=3, factor=0.5) returned {got:.3g}, not 0.5 ** 3 = 0.125: each of "
+        "the n layers multiplies by factor, not a fixed 1e-2")
+    assert demo.chain_underflow(scale=4.0, n=2, factor=0.5) == 0.25
+
+
+def test_print_table_prints_the_rows_it_is_given_in_their_columns(demo, capsys):
+    row = {"dtype": "fp8", "bits": 8, "mantissa_bits": 3, "max": 448.0,
+           "smallest_normal": 2.0 ** -6, "smallest_subnormal": 2.0 ** -9, "eps": 0.125}
+    demo.print_table([row])
+    lines = capsys.readouterr().out.splitlines()
+    assert "min subnorm" in lines[0], lines[0]
+    body = [ln.split() for ln in lines[1:] if ln.strip()]
+    assert [r[0] for r in body] == ["fp8"], (
+        f"print_table([an fp8 row]) printed the rows {[r[0] for r in body]}: print the rows it "
+        "is given (format_table()'s only when it is given none)")
+    want = ["fp8", "8", "3", "448", f"{2.0 ** -6:.3g}", f"{2.0 ** -9:.3g}", "0.125"]
+    names = ["dtype", "bits", "mant.", "max", "min normal", "min subnorm", "eps"]
+    for name, got, expected in zip(names, body[0], want):
+        assert got == expected, (
+            f"print_table's '{name}' column shows {got}, the row says {expected}: each column "
+            f"prints its own key of the row\n" + "\n".join(lines))
+
+
+def test_precision_demo_main_prints_the_recovered_gradients(demo, capsys):
+    assert demo.main() == 0
+    out = capsys.readouterr().out
+    checks = (("fp16 with scale 2^16 then /2^16 in fp32", "print the scaled gradient divided "
+               "by the scale again (fp16_scaled_unscaled), not the still-scaled one"),
+              ("fp16 scaled by 2^15", "the scale must fit in fp16 (max 65504): scale by 2**15, "
+               "not 2**16 (inf in fp16)"))
+    for words, cause in checks:
+        found = re.search(re.escape(words) + r" (\S+)", out)
+        assert found, f"precision_demo.py prints no '{words} ...':\n{out}"
+        value = float(found.group(1))
+        assert math.isfinite(value) and value == pytest.approx(1e-8, rel=2e-2), (
+            f"precision_demo.py prints '{words} {found.group(1)}', not about 1e-08 (the true "
+            f"gradient): {cause}\n{out}")
+    assert "min subnorm" in out, out
 
 
 # ---------------------------------------------------------------- choosing the precision (dpt)
@@ -750,6 +823,58 @@ def test_cast_map_shows_where_the_casts_happen():
         f"only calls its children: one row per leaf module (skip modules with children)")
 
 
+def test_cast_map_names_the_layers_as_the_model_does():
+    # cast_map is given code; task 06.1's step is stood in for by a plain forward
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    inspect = load(LESSON, "amp_inspect")
+    torch.manual_seed(0)
+    with group_of_one(CPU):
+        model = DDP(ConvNet())
+        trainer = types.SimpleNamespace(model=model, device=CPU,
+                                        _run_batch=lambda x, y: model(x).sum().item())
+        rows = inspect.cast_map(trainer, *_batch(2))
+    leaves = [name for name, mod in ConvNet().named_modules() if not list(mod.children())]
+    named = [row["module"] for row in rows]
+    assert set(named) == set(leaves), (
+        f"cast_map named its rows {named}, the model's layers are {leaves}: walk the model "
+        "inside DDP (trainer.model.module), not the DDP wrapper (whose names start 'module.')")
+
+
+def test_synthetic_data_is_seeded_by_its_own_generator():
+    inspect = load(LESSON, "amp_inspect")
+    state = torch.get_rng_state()
+    x, y = inspect.synthetic_data(6, seed=1)
+    assert torch.equal(state, torch.get_rng_state()), (
+        "synthetic_data drew from torch's global random state: draw from its own "
+        "torch.Generator().manual_seed(seed)")
+    assert x.shape == (6, 1, 28, 28) and y.shape == (6,) and 0 <= y.min() <= y.max() < 10
+    again, other = inspect.synthetic_data(6, seed=1), inspect.synthetic_data(6, seed=2)
+    assert torch.equal(x, again[0]) and torch.equal(y, again[1])
+    assert not torch.equal(x, other[0]), (
+        "synthetic_data(seed=1) and synthetic_data(seed=2) are the same data: seed its "
+        "generator with seed")
+
+
+def test_amp_inspect_reports_whether_the_ranks_agree(monkeypatch, capsys):
+    # main() is given code: the cast map and the ranks are stood in for
+    import dpt.testing
+
+    mod = load(LESSON, "amp_inspect")
+    monkeypatch.setattr(mod, "cast_map", lambda trainer, source, targets: [])
+    for params, words in (([torch.zeros(2), torch.ones(2)], "ranks in sync: False"),
+                          ([torch.ones(2), torch.ones(2)], "ranks in sync: True")):
+        results = [{"allreduce_dtypes": ["torch.float32"], "param_dtypes": ["torch.float32"],
+                    "grad_dtypes": ["torch.float32"], "params": p} for p in params]
+        monkeypatch.setattr(dpt.testing, "run_distributed", lambda *a, r=results, **k: r)
+        mod.main(mod.build_parser().parse_args(["--precision", "fp32"]))
+        out = capsys.readouterr().out
+        assert words in out, (
+            f"rank 0's parameters {params[0].tolist()} and rank 1's {params[1].tolist()}: "
+            f"amp_inspect.py should print '{words}': compare rank 0's parameters with rank "
+            f"1's (results[1]), not with its own\n{out}")
+
+
 # ---------------------------------------------------------------- 06.4 Apex
 
 @pytest.mark.task("06.4")
@@ -821,6 +946,82 @@ def test_apex_status_explains_itself(apex_amp, monkeypatch):
     monkeypatch.setitem(sys.modules, "apex.amp", None)
     ok, why = apex_amp.apex_status()
     assert not ok and "unrelated" in why and "apex.amp" in why
+
+
+class _BrokenApexAmp(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``apex.amp`` the way a broken Apex build does: its CUDA extension fails to load."""
+
+    def find_spec(self, name, path, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name == "apex.amp" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise OSError("libcudart.so.11.0: cannot open shared object file: No such file or "
+                      "directory\n(second line)")
+
+
+def test_apex_status_needs_a_gpu_and_explains_a_broken_build(apex_amp, monkeypatch):
+    apex = types.ModuleType("apex")
+    apex.__file__, apex.__path__ = "/site-packages/apex/__init__.py", []
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.amp", types.ModuleType("apex.amp"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ok, why = apex_amp.apex_status()
+    assert not ok and "CUDA" in why, (
+        f"apex_status() says {(ok, why)} for a working Apex on a machine without a GPU: Apex's "
+        "amp needs CUDA, so check torch.cuda.is_available() and say so")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert apex_amp.apex_status() == (True, ""), "NVIDIA Apex and a GPU: apex_status must say yes"
+    # a broken build: `apex` imports, `apex.amp` raises an OSError from its CUDA extension
+    monkeypatch.delitem(sys.modules, "apex.amp")
+    monkeypatch.setattr(sys, "meta_path", [_BrokenApexAmp(), *sys.meta_path])
+    crash = None
+    try:
+        ok, why = apex_amp.apex_status()
+    except Exception as exc:  # noqa: BLE001 - whatever escapes is the bug
+        crash = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if crash:
+        pytest.fail(f"apex_status() raised {crash} for an Apex whose amp module fails to load "
+                    "(a broken build raises OSError, RuntimeError...): catch any Exception "
+                    "there, not only ImportError, and explain it")
+    assert not ok and "OSError" in why and "libcudart" in why and "second line" not in why, why
+
+
+def test_apex_main_trains_with_the_checked_level_and_the_steps_asked_for(apex_amp, monkeypatch,
+                                                                         capsys):
+    # main() is given code: Apex (CUDA + NVIDIA Apex) and task 06.4 are stood in for
+    trained = []
+    monkeypatch.setattr(apex_amp, "check_opt_level", lambda level: level.strip())
+    monkeypatch.setattr(apex_amp, "apex_status", lambda: (True, ""))
+    monkeypatch.setattr(apex_amp, "train_with_apex",
+                        lambda level, steps, *a, **k: trained.append((level, steps)) or [1., .5])
+    assert apex_amp.main(["--opt-level", " O2 ", "--steps", "7"]) == 0
+    assert trained, "apex_amp.py did not train although Apex can run here"
+    level, steps = trained[0]
+    assert level == "O2", (
+        f"apex_amp.py --opt-level ' O2 ' trained with opt_level {level!r}: pass on the level "
+        "check_opt_level returned, not args.opt_level")
+    assert steps == 7, (
+        f"apex_amp.py --steps 7 asked train_with_apex for {steps!r} steps: pass args.steps on")
+    assert "Apex O2: 2 steps, last loss 0.5000" in capsys.readouterr().out
+    assert issubclass(apex_amp.OptLevelError, ValueError), (
+        "OptLevelError must stay a ValueError (a bad value): code that catches ValueError, "
+        "as dpt.cli does, must catch it too")
+
+
+def test_apex_tables_print_what_replaced_each_level_and_call(apex_amp, capsys):
+    apex_amp.print_tables()
+    out = capsys.readouterr().out
+    for level, (then, now) in apex_amp.OPT_LEVELS.items():
+        assert f"{level}: {then}" in out, f"print_tables() does not say what {level} did"
+        assert f"today: {now}" in out, (
+            f"print_tables() does not say what replaced {level} today (OPT_LEVELS' second "
+            f"text): each level prints what Apex did, then what does it today\n{out}")
+    for old, new in apex_amp.API_MAP:
+        assert old in out and new in out, f"print_tables() leaves out the row for {old!r}"
+    assert all(url in out for url in apex_amp.DOCS), "print_tables() leaves out the docs' URLs"
 
 
 # ---------------------------------------------------------------- the scripts
@@ -960,6 +1161,85 @@ def test_amp_inspect_passes_its_flags_on(monkeypatch):
     assert got == {"precision": "fp32", "steps": 5, "batch_size": 4}, (
         f"amp_inspect.py --precision fp32 --steps 5 --batch-size 4 ran ddp_dtypes with {got}: "
         "pass each flag on to it")
+
+
+def test_inject_inf_poisons_a_copy_of_the_batch():
+    mod = load(LESSON, "amp_train")
+    x, y = _batch(4)
+    x0, y0 = x.clone(), y.clone()
+    px, py = mod.inject_inf((x, y))
+    assert math.isinf(px.view(-1)[0]) and torch.isfinite(px.view(-1)[1:]).all()
+    assert torch.equal(py, y0)
+    assert torch.equal(x, x0), (
+        "inject_inf wrote its inf into the batch it was given: poison a copy (x.clone()), or "
+        "a loader that hands out its own tensors would carry the inf into later steps")
+
+
+class _Loader:
+    """A stand-in loader of ``n`` batches of 4 that records its set_epoch calls."""
+
+    def __init__(self, n: int):
+        self.batches = [_batch(4, seed=i) for i in range(n)]
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter([(x.clone(), y.clone()) for x, y in self.batches])
+
+
+def _amp_train_loop(monkeypatch, *flags, batches=2, epochs_run=0):
+    """``amp_train.run()`` with its data and its Trainer stood in for: a loader of ``batches``
+    batches, and a Trainer already at step ``epochs_run`` that records what it is given."""
+    mod = load(LESSON, "amp_train")
+    loader = _Loader(batches)
+    trainer = types.SimpleNamespace(seen=[], saved=[], dtype=None, epochs_run=epochs_run)
+
+    def make_trainer(model, train_data, optimizer, device, **options):
+        trainer.device, trainer.scaler = device, options["scaler"]
+        trainer._run_batch = lambda x, y: trainer.seen.append(x) or 1.0
+        trainer._save_checkpoint = trainer.saved.append
+        return trainer
+
+    monkeypatch.setattr(mod, "Trainer", make_trainer)
+    monkeypatch.setattr(mod, "prepare", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "make_loader", lambda *a, **k: loader)
+    args = mod.build_parser().parse_args(["--device", "cpu", "--model", "mlp",
+                                          "--precision", "fp32", *flags])
+    return mod.run(args), trainer, loader
+
+
+def test_amp_train_steps_across_passes_and_saves_the_step_it_reached(monkeypatch, tmp_path):
+    # run() is given code: the data and the Trainer are stood in for, only the loop is tested
+    ckpt = str(tmp_path / "amp.pt")
+    out, trainer, loader = _amp_train_loop(monkeypatch, "--steps", "5", "--checkpoint", ckpt,
+                                           "--resume", "--inject-inf", "6", epochs_run=5)
+    assert len(trainer.seen) == 5, (
+        f"amp_train.py --steps 5 over a loader of 2 batches trained {len(trainer.seen)} steps: "
+        "when a pass over the data ends before --steps, start another one")
+    assert loader.epochs == [5, 7, 9], (
+        f"the 3 passes over the data called loader.set_epoch with {loader.epochs}, not [5, 7, 9]:"
+        " call loader.set_epoch(step) before each pass, or every pass comes in the same order")
+    poisoned = [i for i, x in enumerate(trainer.seen, start=5) if not torch.isfinite(x).all()]
+    assert poisoned == [6], (
+        f"--inject-inf 6 in a run resumed at step 5 poisoned the steps {poisoned}: the steps "
+        "are counted from the start of training, as printed")
+    assert out["step"] == 10 and len(out["history"]) == 5, out
+    assert trainer.saved == [10], (
+        f"a run resumed at step 5 that trained 5 steps saved its checkpoint as step "
+        f"{trainer.saved}, not [10]: save the step it reached (step), not the number of steps "
+        "it ran, or the next resume starts from the wrong step")
+
+
+def test_amp_train_refuses_negative_steps(monkeypatch):
+    try:
+        _amp_train_loop(monkeypatch, "--steps", "-1")
+    except ValueError as exc:
+        assert "--steps" in str(exc), str(exc)
+    else:
+        pytest.fail("amp_train.py --steps -1 ran (and trained nothing) instead of refusing: "
+                    "raise a ValueError that names --steps before anything starts")
 
 
 SMALL = ("--dataset", "fashion-mnist", "--train-limit", "128", "--test-limit", "51",

@@ -108,8 +108,11 @@ def test_measure_bytes_counts_a_plain_model_and_adam(acc):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(2, 1, 28, 28)).sum().backward()
     opt.step()
-    assert acc.measure_bytes(model, opt) == {"params": 4 * P, "grads": 4 * P,
-                                             "optimizer": 8 * P, "total": 16 * P}
+    measured = acc.measure_bytes(model, opt)
+    assert measured == {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P, "total": 16 * P}, (
+        f"measure_bytes of a ConvNet ({P} fp32 parameters) after one Adam step: {measured}; "
+        "want 4 bytes per parameter for the weights and the gradients, and 8 for Adam's two "
+        "moments, without the 0-dim step counters (include_scalars defaults to False)")
     # A sharded parameter (a DTensor, as under FSDP2) counts only the shard this rank stores.
     class DTensorLike:  # what measure_bytes may use of a DTensor: 10 elements, 5 stored here
         grad = None
@@ -604,3 +607,66 @@ def test_a_rank_resumes_from_its_own_shard_of_the_state():
             f"rank {rank}: step(closure) called the closure {r['closure_called']} time(s) and "
             f"did not return its loss: a torch optimizer calls it once, under enable_grad, "
             f"and returns what it returned (LBFGS and Lightning rely on it)")
+
+
+# --- the accounting's given code -------------------------------------------------------------
+
+def test_predict_bytes_refuses_a_world_of_no_ranks(acc):
+    for stage in acc.STAGES:
+        try:
+            got = acc.predict_bytes(1000, 0, stage)
+        except ValueError as exc:
+            assert "world_size" in str(exc), str(exc)
+        except Exception as exc:  # noqa: BLE001 (the wrong error is the finding)
+            pytest.fail(f"predict_bytes(1000, 0, {stage!r}) raised {type(exc).__name__}: "
+                        f"{exc}: refuse world_size < 1 up front with a ValueError naming it")
+        else:
+            pytest.fail(f"predict_bytes(1000, 0, {stage!r}) returned {got}: a world of 0 ranks "
+                        "must be refused (ValueError naming world_size), not priced")
+
+
+def test_optimizer_state_bytes_reads_the_local_optimizer_and_skips_non_tensors(acc):
+    """A sharded optimizer keeps its state in ``local_optimizer`` (None on a rank that owns
+    nothing); an optimizer's state may hold ints, floats and lists next to its tensors."""
+    from types import SimpleNamespace
+
+    def count(optimizer):  # (bytes, None) or (None, the error), failed on outside `except`
+        try:
+            return acc.optimizer_state_bytes(optimizer), None
+        except AttributeError as exc:
+            return None, exc
+
+    nothing, error = count(SimpleNamespace(local_optimizer=None))
+    assert error is None, (f"a rank that owns no parameter (local_optimizer is None) crashed "
+                           f"the count ({error}): its optimizer state is 0 bytes")
+    assert nothing == 0
+    p = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([p], lr=0.1)
+    p.sum().backward()
+    adam.step()
+
+    class Sharded:  # like ShardedOptimizer: the wrapper's own state is empty
+        state: dict = {}
+        local_optimizer = adam
+
+    assert acc.optimizer_state_bytes(Sharded()) == 2 * 3 * 4, (
+        "a sharded optimizer's state lives in its local_optimizer (exp_avg and exp_avg_sq, "
+        "2 x 3 fp32 here): read optimizer.local_optimizer.state when there is one")
+    lbfgs = torch.optim.LBFGS([p], max_iter=2)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    kinds = {type(v).__name__ for v in lbfgs.state[p].values()}
+    assert {"int", "float", "list"} <= kinds, kinds  # the setup: LBFGS keeps all of these
+    want = sum(v.numel() * v.element_size() for v in lbfgs.state[p].values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    got, error = count(lbfgs)
+    assert error is None, (
+        f"LBFGS's state (ints, floats, lists and tensors) crashed the count ({error}): count "
+        "only the values that are tensors (isinstance(v, torch.Tensor))")
+    assert got == want, f"LBFGS's state tensors hold {want} bytes, the count says {got}"
