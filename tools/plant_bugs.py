@@ -14,7 +14,7 @@ runs the named tests against the copy (``pytest --target COPY``). The verdicts:
 - ``WRONG REASON``: they failed, but on a timeout or without the expected message;
 - ``STALE``: the edit no longer applies (the solution changed): update the entry.
 
-Usage (from the repository root; one bug takes 10-60 s, the whole list about 13 min on two
+Usage (from the repository root; one bug takes 10-60 s, the whole list about 17 min on two
 idle cores)::
 
     .venv/bin/python tools/plant_bugs.py                 # every bug, two at a time
