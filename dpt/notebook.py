@@ -50,18 +50,29 @@ def _autoreload() -> bool:
 
 
 TASK = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?)|^(Task \d\d\.\d+[a-z]?)")
+# A stub's own message, "Task NN.K: what to do", wherever it sits in the text.
+STUB_MESSAGE = re.compile(r"(Task \d\d\.\d+[a-z]?): ")
 
 
 def pending_task(exc: BaseException) -> str | None:
     """'Task NN.K' when ``exc`` is a task's NotImplementedError, or carries one in its text
-    (a rank's traceback, reported by run_distributed, mp.spawn or Lightning's launcher)."""
+    (a rank's traceback, reported by run_distributed, mp.spawn or Lightning's launcher).
+
+    Two ranks that fail at once write their tracebacks into one log, and their last lines can
+    interleave ("NotImplementedErrorNotImplementedError: : Task 04.1: ..."). So a text that
+    names NotImplementedError anywhere also counts when it holds a stub's message."""
     text = str(exc)
     m = TASK.search(text)
-    if m is None:
-        return None
-    if isinstance(exc, NotImplementedError):
-        return m.group(1) or m.group(2)
-    return m.group(1)
+    if m is not None:
+        if isinstance(exc, NotImplementedError):
+            return m.group(1) or m.group(2)
+        if m.group(1):
+            return m.group(1)
+    if "NotImplementedError" in text:
+        stub = STUB_MESSAGE.search(text)
+        if stub is not None:
+            return stub.group(1)
+    return None
 
 
 _SKIPPED: list[str] = []  # tasks a cell of this kernel found not done yet, in order

@@ -108,11 +108,18 @@ def test_needs_tasks_skips_a_pending_task_and_what_depends_on_it(monkeypatch, ca
         raise NotImplementedError("Task 05.3: register the hooks")
     with nbk.needs_tasks():  # a rank's traceback, as run_distributed or mp.spawn report it
         raise RuntimeError('rank 1 failed:\n...\nNotImplementedError: Task 05.4: buckets')
+    with nbk.needs_tasks():  # two ranks' tracebacks interleaved in one log (seen under load)
+        raise RuntimeError('the run ended before its first snapshot:\n  raise Not'
+                           'ImplementedError("Task 04.1: read")\nNotImplementedErrorNotImpl'
+                           'ementedError: : Task 04.1: read the variablesTask 04.1: read the')
     with nbk.needs_tasks():
         undefined_name  # noqa: B018, F821 - what a skipped cell would have defined
     lines = capsys.readouterr().out.strip().splitlines()
     assert [SKIP_LINE.search(ln).group(1) for ln in lines] == ["Task 05.3", "Task 05.4",
-                                                             "Task 05.3"]
+                                                             "Task 04.1", "Task 05.3"]
+    # A message that only mentions a task, with no stub's NotImplementedError, is a real error.
+    with pytest.raises(RuntimeError), nbk.needs_tasks():
+        raise RuntimeError("Task 05.3: the loss is nan after 3 steps")
     with pytest.raises(ValueError), nbk.needs_tasks():
         raise ValueError("a real bug is not hidden")
 
