@@ -852,13 +852,18 @@ def test_bucketed_averages_over_three_ranks(as_view):
     _check_mean_of_three(results, "BucketedDDP")
 
 
+def _demo_batch(n=8):
+    """An MNIST-shaped batch for the notebook's demos (scratch_demo trains an MLP on it)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
 @pytest.mark.timeout(180)
 def test_the_notebook_comparison_trains_each_rank_on_its_slice_and_syncs_before_the_step():
     """scratch_demo.compare_rank, which the notebook's comparison runs, with reference parts:
     every wrapper on 2 ranks must end where one process on the whole batch ends."""
     demo = load(LESSON, "scratch_demo")
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+    x, y = _demo_batch(8)
     truth = {k: v.detach() for k, v in demo.train(demo.make_model(seed=0), x, y, 2)
              .state_dict().items()}
     results = run_distributed(rf.demo_compare_rank, world_size=WORLD, args=(x, y, 2),
@@ -884,9 +889,6 @@ def test_the_notebook_comparison_trains_each_rank_on_its_slice_and_syncs_before_
 
 
 # --------------------------------------------------------------------------- the notebook's given code, in-process
-def _demo_batch(n=8):
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def test_the_notebooks_train_steps_on_fresh_gradients_synced_before_each_step():

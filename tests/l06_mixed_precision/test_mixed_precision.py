@@ -857,17 +857,9 @@ def test_synthetic_data_is_seeded_by_its_own_generator():
 
 
 def test_amp_inspect_reports_whether_the_ranks_agree(monkeypatch, capsys):
-    # main() is given code: the cast map and the ranks are stood in for
-    import dpt.testing
-
-    mod = load(LESSON, "amp_inspect")
-    monkeypatch.setattr(mod, "cast_map", lambda trainer, source, targets: [])
     for params, words in (([torch.zeros(2), torch.ones(2)], "ranks in sync: False"),
                           ([torch.ones(2), torch.ones(2)], "ranks in sync: True")):
-        results = [{"allreduce_dtypes": ["torch.float32"], "param_dtypes": ["torch.float32"],
-                    "grad_dtypes": ["torch.float32"], "params": p} for p in params]
-        monkeypatch.setattr(dpt.testing, "run_distributed", lambda *a, r=results, **k: r)
-        mod.main(mod.build_parser().parse_args(["--precision", "fp32"]))
+        _amp_inspect_main(monkeypatch, ["--precision", "fp32"], params)
         out = capsys.readouterr().out
         assert words in out, (
             f"rank 0's parameters {params[0].tolist()} and rank 1's {params[1].tolist()}: "
@@ -1140,8 +1132,10 @@ def test_amp_train_passes_its_flags_on(monkeypatch):
         "--seed 3 and --seed 4 start from the same weights: seed with args.seed")
 
 
-def test_amp_inspect_passes_its_flags_on(monkeypatch):
-    # main() is given code: the cast map (task 06.1's step) and the ranks are stood in for
+def _amp_inspect_main(monkeypatch, flags, params=None) -> dict:
+    """``amp_inspect.main`` (given code) with the cast map (task 06.1's step) and the ranks
+    stood in for: each rank reports its entry of ``params`` (two equal ones by default).
+    Returns the kwargs the ranks were started with."""
     import dpt.testing
 
     mod = load(LESSON, "amp_inspect")
@@ -1149,14 +1143,19 @@ def test_amp_inspect_passes_its_flags_on(monkeypatch):
 
     def fake_run_distributed(fn, world_size=None, **options):
         seen.update(options.get("kwargs") or {})
-        r = {"allreduce_dtypes": [], "param_dtypes": [], "grad_dtypes": [],
-             "params": torch.zeros(1)}
-        return [r, r]
+        return [{"allreduce_dtypes": ["torch.float32"], "param_dtypes": ["torch.float32"],
+                 "grad_dtypes": ["torch.float32"], "params": p}
+                for p in params or (torch.zeros(1), torch.zeros(1))]
 
     monkeypatch.setattr(mod, "cast_map", lambda trainer, source, targets: [])
     monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
-    mod.main(mod.build_parser().parse_args(["--precision", "fp32", "--steps", "5",
-                                            "--batch-size", "4"]))
+    mod.main(mod.build_parser().parse_args(flags))
+    return seen
+
+
+def test_amp_inspect_passes_its_flags_on(monkeypatch):
+    seen = _amp_inspect_main(monkeypatch, ["--precision", "fp32", "--steps", "5",
+                                           "--batch-size", "4"])
     got = {k: seen.get(k) for k in ("precision", "steps", "batch_size")}
     assert got == {"precision": "fp32", "steps": 5, "batch_size": 4}, (
         f"amp_inspect.py --precision fp32 --steps 5 --batch-size 4 ran ddp_dtypes with {got}: "

@@ -715,7 +715,8 @@ class _RecordingTrainer:
 
 @pytest.fixture
 def lit_train(monkeypatch):
-    """``lit_train`` with a recording Trainer, no thread change and no seed left behind."""
+    """``lit_train`` with a recording Trainer, no thread change and no seed left behind;
+    returns the module and the thread counts it asked for."""
     import pytorch_lightning as pl
 
     lt = load(LESSON, "lit_train")
@@ -724,19 +725,19 @@ def lit_train(monkeypatch):
     monkeypatch.setattr(pl, "Trainer", _RecordingTrainer)
     monkeypatch.setattr(lt, "set_threads", threads.append)
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything writes it; put it back after
-    lt.threads_seen = threads
-    return lt
+    return lt, threads
 
 
 def test_lit_train_passes_every_flag_on(lit_train, capsys):
     """``main`` is given code: each flag must reach the Trainer, the module or the data."""
     from dpt.dist import threads_per_rank
 
-    code = lit_train.main(["--dataset", "fashion-mnist", "--devices", "2", "--strategy",
-                           "ddp_spawn", "--precision", "bf16-mixed", "--epochs", "3", "--lr",
-                           "0.01", "--batch-size", "8", "--hidden-dim", "32", "--train-limit",
-                           "100", "--val-limit", "20", "--limit-train-batches", "0.5",
-                           "--seed", "7", "--test"])
+    lt, threads = lit_train
+    code = lt.main(["--dataset", "fashion-mnist", "--devices", "2", "--strategy", "ddp_spawn",
+                    "--precision", "bf16-mixed", "--epochs", "3", "--lr", "0.01",
+                    "--batch-size", "8", "--hidden-dim", "32", "--train-limit", "100",
+                    "--val-limit", "20", "--limit-train-batches", "0.5", "--seed", "7",
+                    "--test"])
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     (trainer,) = _RecordingTrainer.made
@@ -747,7 +748,7 @@ def test_lit_train_passes_every_flag_on(lit_train, capsys):
                          precision="bf16-mixed", max_epochs=3, limit_train_batches=0.5), (
         f"the Trainer was built with {asked}: pass --accelerator, --devices, --strategy, "
         "--precision, --epochs (max_epochs) and --limit-train-batches on")
-    assert lit_train.threads_seen == [threads_per_rank(2)]
+    assert threads == [threads_per_rank(2)]
     kind, model, dm = trainer.calls[0]
     assert kind == "fit"
     assert model.hparams.learning_rate == 0.01 and model.hparams.hidden_dim == 32, (
@@ -766,7 +767,7 @@ def test_lit_train_passes_every_flag_on(lit_train, capsys):
 
 @pytest.mark.parametrize("flag, value", [("--epochs", "0"), ("--batch-size", "0")])
 def test_lit_train_refuses_nothing_to_train_before_the_trainer(lit_train, capsys, flag, value):
-    code = lit_train.main(["--dataset", "fashion-mnist", flag, value])
+    code = lit_train[0].main(["--dataset", "fashion-mnist", flag, value])
     err = capsys.readouterr().err.strip()
     assert code == 2 and not _RecordingTrainer.made, (
         f"{flag} {value} went on to build a Trainer: refuse it first, with one line")
