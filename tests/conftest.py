@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpt.notebook import pending_task
 from tests.scoring import new_entry, points_for, record, task_state  # noqa: F401 (re-export)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +65,7 @@ def pytest_configure(config):
     config.stash[_FAILURES] = []
     config.stash[_COLLECTED] = {}
     config.stash[_TEST_IDS] = {}
+    config.stash[_PENDING] = {}
     if config.getoption("--grade") and config.option.verbose <= 0 and not _one_lesson(config):
         # A whole-course grade: one line per failing test and the table, not every traceback.
         # `-v`, or one lesson (`make grade LESSON=03`), shows the tracebacks.
@@ -87,6 +89,7 @@ _SCORES = pytest.StashKey[dict]()
 _FAILURES = pytest.StashKey[list]()
 _COLLECTED = pytest.StashKey[dict]()
 _TEST_IDS = pytest.StashKey[dict]()
+_PENDING = pytest.StashKey[dict]()  # unmarked tests skipped for a task not done: task -> count
 
 
 def pytest_report_header(config):
@@ -185,6 +188,34 @@ def _skip_reason(report) -> str:
     return str(longrepr or "")
 
 
+_NEEDS = "needs"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """An unmarked test that stops at a task's stub is skipped, saying which task it needs.
+
+    Task-marked tests are the score, and a stub fails them. Unmarked tests check the given code
+    and whole lessons; on a student's tree some cannot run until a task is done (lesson 04's
+    epoch loop needs task 03.3's line), and a failure there would blame the given code for a
+    task the student has not reached. The stub's own NotImplementedError ("Task NN.K: ...", in
+    this process or in a rank's traceback) turns the failure into a skip that names the task.
+    Any other failure stays a failure.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if (not report.failed or call.excinfo is None or report.when == "teardown"
+            or item.get_closest_marker("task") is not None):
+        return
+    task = pending_task(call.excinfo.value)
+    if task is None:
+        return
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0,
+                       f"Skipped: {_NEEDS} {task}, not done yet in this tree (the test stopped "
+                       "at its NotImplementedError; not scored)")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
     """Count each graded test once: passed, failed (in setup, call or teardown) or skipped.
@@ -192,6 +223,11 @@ def pytest_runtest_logreport(report):
     A skipped test is neither passed nor failed: it is left out of the score and shown apart.
     """
     task = dict(report.user_properties).get("task")
+    if report.skipped and task is None:  # counted here, where pytest -n's reports arrive too
+        m = re.match(rf"{_NEEDS} (Task \d\d\.\d+[a-z]?), not done yet", _skip_reason(report))
+        if m:
+            pending = _config.stash[_PENDING]
+            pending[m.group(1)] = pending.get(m.group(1), 0) + 1
     if report.failed:
         _config.stash[_FAILURES].append(
             (report.nodeid, _first_error(report) or f"failed in {report.when}"))
@@ -216,6 +252,10 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     if not config.getoption("--grade"):
+        pending = config.stash[_PENDING]
+        if pending:
+            tr.write_line(f"skipped {sum(pending.values())} unmarked test(s) that need a task not "
+                          "done yet: " + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items())))
         tr.write_line(_tree_note())
         return
     scores = config.stash[_SCORES]

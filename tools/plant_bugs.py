@@ -2271,6 +2271,551 @@ BUGS: list[Bug] = [
         (T06 + "test_synthetic_data_is_seeded_by_its_own_generator",),
         expect=r"same data: seed its\s+generator with seed",
         why="synthetic_data ignores its seed"),
+    # --- round 7: lessons 01 to 04, the given code around the tasks and more student slips ---
+    Bug("01.0-loader-drops-last-batch", L01,
+        "shuffle=shuffle, generator=generator)",
+        "shuffle=shuffle, generator=generator, drop_last=True)",
+        (T01 + "test_prepare_dataloader_keeps_the_short_last_batch",),
+        expect=r"keep the short last batch \(no drop_last\)",
+        why="prepare_dataloader drops the short last batch (drop_last=True): those "
+            "samples are never trained on nor evaluated"),
+    Bug("01.0-progress-always-on", L01,
+        "                                           self.progress):",
+        "                                           True):",
+        (T01 + "test_the_progress_flag_reaches_the_epoch_loop",),
+        expect=r"pass self\.progress on to the epoch's cli\.batches",
+        why="the epoch loop hard-codes show=True: --no-progress no longer turns the "
+            "progress bar off"),
+    Bug("01.0-epoch-mean-over-loader-length", L01,
+        "        return sum(losses) / max(1, len(losses))",
+        "        return sum(losses) / len(self.train_data)",
+        (T01 + "test_an_epoch_returns_and_prints_the_mean_of_the_batches_it_ran",),
+        expect=r"an epoch's loss is the mean over the batches it ran",
+        why="the epoch's loss divides by len(loader), not by the batches run: wrong "
+            "under --limit-batches"),
+    Bug("01.0-printed-loss-is-last-batch", L01,
+        'rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")',
+        'rank0_print(f"epoch {epoch}: mean train loss {self.history[-1]:.4f}")',
+        (T01 + "test_an_epoch_returns_and_prints_the_mean_of_the_batches_it_ran",),
+        expect=r"must show that epoch's mean loss",
+        why="the printed 'mean train loss' is the last batch's loss (history[-1]), not "
+            "the epoch's mean"),
+    Bug("01.0-run-result-dropped", L01,
+        "    return cli.train_and_evaluate(args, device,",
+        "    cli.train_and_evaluate(args, device,",
+        (T01 + "test_run_trains_on_the_device_asked_for_and_returns_the_result",),
+        expect=r"run\(\) returned None: return what cli\.train_and_evaluate returns",
+        why="run() forgets to return train_and_evaluate's result: the accuracy and "
+            "history are lost"),
+    Bug("01.0-device-flag-ignored", L01,
+        "    device = pick_device(args.device)",
+        '    device = pick_device("auto")',
+        (T01 + "test_run_trains_on_the_device_asked_for_and_returns_the_result",),
+        expect=r"run\(\) must pick the device --device names",
+        why="run() picks 'auto' whatever --device says: --device cpu on a GPU machine "
+            "trains on the GPU"),
+    Bug("01.2-counts-as-tensors", L01,
+        "        correct += int((model(inputs).argmax(dim=1) == targets).sum())",
+        "        correct += (model(inputs).argmax(dim=1) == targets).sum()",
+        (T01 + "test_evaluate_counts_every_sample_including_a_short_last_batch",),
+        expect=r"return the counts as Python ints",
+        why="evaluate adds up tensor counts (no int()): it returns a tensor, not an int"),
+    Bug("01.1-returns-loss-tensor", L01,
+        "        return loss.item()\n",
+        "        return loss\n",
+        (T01 + "test_run_batch_matches_a_reference_sgd_step",),
+        expect=r"return the loss as a Python float",
+        why="_run_batch returns the loss tensor (and keeps its graph alive), not loss.item()"),
+    Bug("01.3-raw-torch-load", L01,
+        "    state = ckpt.load(path, map_location=device)",
+        "    state = torch.load(path, map_location=device, weights_only=True)",
+        (T01 + "test_checkpoint_errors_are_clear",),
+        why="load_checkpoint calls torch.load directly: a missing or broken file is not "
+            "a CheckpointError"),
+    Bug("01.0-no-resume-message", L01,
+        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
+        "",
+        (T01 + "test_cli_trains_and_reports_test_accuracy",),
+        expect=r"'resumed from' in",
+        why="a resumed run no longer says where it resumed"),
+    Bug("01.3-extra-dropped", L01,
+        '"epoch": epoch, **extra}',
+        '"epoch": epoch}',
+        (T01 + "test_checkpoint_round_trip_into_a_fresh_model",),
+        expect=r"KeyError: 'note'",
+        why="save_checkpoint drops the **extra entries"),
+    Bug("01.2-mode-read-after-eval", L01,
+        "    was_training = model.training\n"
+        "    model.eval()\n",
+        "    model.eval()\n"
+        "    was_training = model.training\n",
+        (T01 + "test_evaluate_uses_eval_mode_and_restores_training_mode",),
+        expect=r"evaluate must put the model back in training mode",
+        why="the mode is read after model.eval(), so evaluate always leaves the model in "
+            "eval mode"),
+    Bug("01.1-zero-grad-after-backward", L01,
+        "        self.optimizer.zero_grad(set_to_none=True)\n"
+        "        loss = F.cross_entropy(self.model(source), targets)\n"
+        "        loss.backward()\n",
+        "        loss = F.cross_entropy(self.model(source), targets)\n"
+        "        loss.backward()\n"
+        "        self.optimizer.zero_grad(set_to_none=True)\n",
+        (T01 + "test_run_batch_matches_a_reference_sgd_step",),
+        expect=r"did not update the weights",
+        why="zero_grad() between backward() and step(): every step has no gradient, "
+            "nothing learns"),
+    Bug("03.5-counts-returned-as-tensors", L03,
+        "    return int(counts[0]), int(counts[1])",
+        "    return counts[0], counts[1]",
+        (T03 + "test_evaluate_returns_the_counts_as_python_ints",),
+        expect=r"return the all-reduced counts as plain ints",
+        why="evaluate returns the all-reduced counts as 0-d tensors, not ints"),
+    Bug("03.0-save-every-ignored", L03,
+        "            if self.checkpoint_path and self.epochs_run % self.save_every == 0:",
+        "            if self.checkpoint_path:",
+        (T03 + "test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean",),
+        expect=r"save\s+only when epochs_run % save_every == 0",
+        why="--save-every is ignored: rank 0 saves after every epoch"),
+    Bug("03.0-progress-always-on", L03,
+        "                                           self.progress):",
+        "                                           True):",
+        (T03 + "test_the_progress_flag_reaches_the_epoch_loop",),
+        expect=r"pass self\.progress on to the epoch's cli\.batches",
+        why="the epoch loop hard-codes show=True: every rank draws a progress bar, "
+            "--no-progress or not"),
+    Bug("03.0-epoch-mean-over-loader-length", L03,
+        "        return sum(losses) / max(1, len(losses))",
+        "        return sum(losses) / len(self.train_data)",
+        (T03 + "test_every_epoch_has_its_own_order_the_same_on_every_rank",),
+        expect=r"each epoch's loss is the mean of its batches' losses",
+        why="the epoch's loss divides by len(loader), not by the batches run"),
+    Bug("03.0-printed-loss-is-last-batch", L03,
+        'rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")',
+        'rank0_print(f"epoch {epoch}: mean train loss {self.history[-1]:.4f}")',
+        (T03 + "test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean",),
+        expect=r"must show that epoch's mean loss",
+        why="the printed 'mean train loss' is the last batch's loss, not the epoch's mean"),
+    Bug("03.0-train-resumes-from-zero", L03,
+        "        for epoch in range(self.epochs_run, max_epochs):",
+        "        for epoch in range(max_epochs):",
+        (T03 + "test_a_resumed_trainer_replays_the_missing_epochs_orders",),
+        expect=r"a run resumed at epoch 2 must train epochs 2 and 3",
+        why="a resumed Trainer trains the finished epochs again"),
+    Bug("03.2-loader-drops-last-batch", L03,
+        "    return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)",
+        "    return TensorLoader(x, y, batch_size=batch_size, sampler=sampler, drop_last=True)",
+        (T03 + "test_each_rank_gets_its_own_shuffled_share",),
+        expect=r"leave drop_last off",
+        why="the loader (not the sampler) drops each rank's short last batch: samples are lost"),
+    Bug("03.3-set-epoch-after-the-epoch", L03,
+        "        self.train_data.sampler.set_epoch(epoch)\n"
+        "        # END SOLUTION\n"
+        "        self.model.train()\n"
+        "        losses = []\n"
+        "        for source, targets in cli.batches(self.train_data, limit_batches, "
+        'f"epoch {epoch}",\n'
+        "                                           self.progress):\n"
+        "            source, targets = source.to(self.device), targets.to(self.device)\n"
+        "            losses.append(self._run_batch(source, targets))\n"
+        "        self.history.extend(losses)\n",
+        "        # END SOLUTION\n"
+        "        self.model.train()\n"
+        "        losses = []\n"
+        "        for source, targets in cli.batches(self.train_data, limit_batches, "
+        'f"epoch {epoch}",\n'
+        "                                           self.progress):\n"
+        "            source, targets = source.to(self.device), targets.to(self.device)\n"
+        "            losses.append(self._run_batch(source, targets))\n"
+        "        self.history.extend(losses)\n"
+        "        self.train_data.sampler.set_epoch(epoch + 1)  # ready for the next\n",
+        (T03 + "test_a_resumed_trainer_replays_the_missing_epochs_orders",),
+        expect=r"a run resumed at epoch 2 must train epochs 2 and 3",
+        why="set_epoch(epoch + 1) at the end of each epoch: a resumed run starts with "
+            "epoch 0's order"),
+    Bug("03.0-parser-not-per-rank", L03,
+        'cli.parser("Lesson 03: DDP started with mp.spawn.", per_rank=True)',
+        'cli.parser("Lesson 03: DDP started with mp.spawn.")',
+        (T03 + "test_cli_corrupted_checkpoint_is_one_line",),
+        expect=r"has no attribute 'timeout'",
+        why="the parser is built without per_rank=True: no --timeout, every rank dies on "
+            "args.timeout"),
+    Bug("03.0-run-result-dropped", L03,
+        "        return cli.train_and_evaluate(args, device,",
+        "        cli.train_and_evaluate(args, device,",
+        (T03 + "test_run_passes_the_checkpoint_and_resume_flags_on",),
+        expect=r"run\(\) returned None: return what cli\.train_and_evaluate returns",
+        why="run() forgets to return train_and_evaluate's result"),
+    Bug("03.0-setup-inside-try", L03,
+        "    rank, world_size, device = ddp_setup(local_rank, args)\n"
+        "    try:\n"
+        "        return",
+        "    try:\n"
+        "        rank, world_size, device = ddp_setup(local_rank, args)\n"
+        "        return",
+        (T03 + "test_a_process_that_cannot_join_reports_why",),
+        expect=r"call ddp_setup before the try",
+        why="ddp_setup inside the try: a failed join reaches destroy_process_group(), "
+            "whose error hides the real one"),
+    Bug("01.0-history-replaced", L01,
+        "        self.history.extend(losses)\n",
+        "        self.history = losses\n",
+        (T01 + "test_an_epoch_returns_and_prints_the_mean_of_the_batches_it_ran",),
+        expect=r"it must keep the loss of every batch of every epoch",
+        why="history = losses instead of history.extend(losses): the loss curve keeps "
+            "only the last epoch"),
+    Bug("03.0-every-rank-prints-the-epoch", L03,
+        '            rank0_print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")',
+        '            print(f"epoch {epoch}: mean train loss {losses[-1]:.4f}")',
+        (T03 + "test_only_rank_0_prints_the_resume_and_epoch_lines",),
+        expect=r"only rank 0 prints the resume and the epoch lines",
+        why="print instead of rank0_print: every rank prints each epoch's line"),
+    Bug("03.0-every-rank-says-resumed", L03,
+        '            rank0_print(f"resumed from',
+        '            print(f"resumed from',
+        (T03 + "test_only_rank_0_prints_the_resume_and_epoch_lines",),
+        expect=r"only rank 0 prints the resume and the epoch lines",
+        why="print instead of rank0_print: every rank prints the resume line"),
+    Bug("03.0-no-buffer-broadcast", L03,
+        'device_ids=[device.index] if device.type == "cuda" else None)',
+        'device_ids=[device.index] if device.type == "cuda" else None,\n'
+        "                         broadcast_buffers=False)",
+        (T03 + "test_every_rank_normalizes_with_rank_0_s_batch_norm_statistics",),
+        expect=r"keep DDP's broadcast_buffers on",
+        why="DDP(..., broadcast_buffers=False): each rank keeps its own batch-norm "
+            "statistics, and evaluates another model than rank 0 saves"),
+    Bug("01.0-global-seed-instead-of-generator", L01,
+        "    generator = torch.Generator().manual_seed(seed)\n"
+        "    return TensorLoader(x, y, batch_size=batch_size, shuffle=shuffle, "
+        "generator=generator)",
+        "    torch.manual_seed(seed)\n"
+        "    return TensorLoader(x, y, batch_size=batch_size, shuffle=shuffle)",
+        (T01 + "test_prepare_dataloader_shuffles_with_a_generator_of_its_own",),
+        expect=r"shuffle with the loader's own torch\.Generator\(\)\.manual_seed\(seed\)",
+        why="torch.manual_seed(seed) instead of a loader generator: the order depends on "
+            "every other random draw, and the model's init is reseeded"),
+    Bug("03.4-barrier-before-save", L03,
+        "        if dist.get_rank() == 0:\n"
+        "            save_checkpoint(self.checkpoint_path, self.model.module, "
+        "self.optimizer, epoch)\n"
+        "        dist.barrier()\n",
+        "        dist.barrier()\n"
+        "        if dist.get_rank() == 0:\n"
+        "            save_checkpoint(self.checkpoint_path, self.model.module, "
+        "self.optimizer, epoch)\n",
+        (T03 + "test_only_rank0_saves_without_module_prefix_and_everyone_waits",),
+        expect=r"a rank went on before rank 0 had written the checkpoint",
+        why="the barrier comes before rank 0's save: the other ranks go on before the "
+            "file is written"),
+    Bug("01.0-missing-resume-ignored", L01,
+        "        if resume_from:  # the model",
+        "        if resume_from and Path(resume_from).exists():  # the model",
+        (T01 + "test_resuming_from_a_missing_checkpoint_is_an_error",),
+        expect=r"let load_checkpoint's\s+CheckpointError through",
+        why="'if resume_from and Path(resume_from).exists()': a mistyped --resume "
+            "silently trains from scratch"),
+    Bug("03.0-missing-resume-ignored", L03,
+        "        if resume_from:  # the model",
+        "        if resume_from and Path(resume_from).exists():  # the model",
+        (T03 + "test_resuming_from_a_missing_checkpoint_is_an_error",),
+        expect=r"let load_checkpoint's\s+CheckpointError through",
+        why="'if resume_from and Path(resume_from).exists()': a mistyped --resume "
+            "silently trains from scratch"),
+    Bug("01.0-resume-before-to-device", L01,
+        "        self.model = model.to(device)\n"
+        "        self.train_data = train_data\n"
+        "        self.optimizer = optimizer\n"
+        "        self.save_every = save_every\n"
+        "        self.checkpoint_path = checkpoint_path\n"
+        "        self.progress = progress\n"
+        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+        "            self.epochs_run = load_checkpoint(resume_from, self.model, "
+        'optimizer, device)["epoch"]\n'
+        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
+        "        self.train_data = train_data\n"
+        "        self.optimizer = optimizer\n"
+        "        self.save_every = save_every\n"
+        "        self.checkpoint_path = checkpoint_path\n"
+        "        self.progress = progress\n"
+        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+        "            self.epochs_run = load_checkpoint(resume_from, model, optimizer, "
+        'device)["epoch"]\n'
+        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n'
+        "        self.model = model.to(device)\n",
+        (T01 + "test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device",),
+        expect=r"loaded the checkpoint before it sent the model to its device",
+        why="the checkpoint is loaded before model.to(device): the momentum stays on the "
+            "CPU, and the first step on a GPU fails"),
+    Bug("03.0-resume-before-to-device", L03,
+        "        self.model = model.to(device)\n"
+        "        self.train_data = train_data\n"
+        "        self.optimizer = optimizer\n"
+        "        self.save_every = save_every\n"
+        "        self.checkpoint_path = checkpoint_path\n"
+        "        self.progress = progress\n"
+        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+        "            self.epochs_run = load_checkpoint(resume_from, self.model, "
+        'optimizer, device)["epoch"]\n'
+        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
+        "        self.train_data = train_data\n"
+        "        self.optimizer = optimizer\n"
+        "        self.save_every = save_every\n"
+        "        self.checkpoint_path = checkpoint_path\n"
+        "        self.progress = progress\n"
+        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+        "            self.epochs_run = load_checkpoint(resume_from, model, optimizer, "
+        'device)["epoch"]\n'
+        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n'
+        "        self.model = model.to(device)\n",
+        (T03 + "test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device",),
+        expect=r"loaded the checkpoint before it sent the model to its device",
+        why="the checkpoint is loaded before model.to(device): the momentum stays on the "
+            "CPU, and the first step on a GPU fails"),
+    Bug("02.0-accuracy-builds-a-graph", L02,
+        "@torch.no_grad()\n"
+        "def accuracy",
+        "def accuracy",
+        (T02 + "test_accuracy_counts_a_short_last_batch_and_builds_no_graph",),
+        expect=r"keep @torch\.no_grad\(\) on it",
+        why="accuracy() lost @torch.no_grad(): every test batch builds an autograd graph"),
+    Bug("02.0-accuracy-counts-full-batches", L02,
+        "        total += y.numel()\n",
+        "        total += loader.batch_size\n",
+        (T02 + "test_accuracy_counts_a_short_last_batch_and_builds_no_graph",),
+        expect=r"the last batch is short",
+        why="the short last test batch is counted as a full one (loader.batch_size, not "
+            "y.numel())"),
+    Bug("02.0-checkpoint-without-epoch", L02,
+        "save_plain(dp_model, args.checkpoint, epoch=args.epochs)",
+        "save_plain(dp_model, args.checkpoint)",
+        (T02 + "test_training_run_limits_its_batches_reloads_and_is_reproducible",),
+        expect=r"record the epochs trained",
+        why="--checkpoint saves the weights without the number of epochs trained"),
+    Bug("02.0-explain-ignores-device-ids", L02,
+        "    ids = list(range(gpus)) if device_ids is None else list(device_ids)",
+        "    ids = list(range(gpus))",
+        (T02 + "test_explain_devices_describes_the_device_ids_it_is_given",),
+        expect=r"describe the --device-ids",
+        why="explain_devices describes every GPU of the machine, not the --device-ids given"),
+    Bug("02.0-no-momentum", L02,
+        "lr=args.lr, momentum=0.9)",
+        "lr=args.lr)",
+        (T02 + "test_training_run_hands_its_device_ids_to_wrap_and_uses_momentum",),
+        expect=r"SGD with momentum=0\.9",
+        why="the training script's SGD lost momentum=0.9: not lesson 01's optimizer"),
+    Bug("02.0-out-folder-not-created", L02T,
+        "        out.parent.mkdir(parents=True, exist_ok=True)\n",
+        "",
+        (T02 + "test_timing_script_creates_the_out_folder",),
+        expect=r"create its folder first",
+        why="dp_timing.py --out in a new folder dies with FileNotFoundError after the whole sweep"),
+    Bug("02.0-run-ignores-device-ids", L02,
+        "    dp_model, root = wrap(build_model(args.model), ids)",
+        "    dp_model, root = wrap(build_model(args.model))",
+        (T02 + "test_training_run_hands_its_device_ids_to_wrap_and_uses_momentum",),
+        expect=r"reached wrap as device_ids=\[None\]",
+        why="run() parses --device-ids but never hands them to wrap()"),
+    Bug("02.0-sweep-default-threads-not-divided", L02T,
+        "t = threads_per_device or max(1, cpu_budget() // n_devices)",
+        "t = threads_per_device or max(1, cpu_budget())",
+        (T02 + "test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran",),
+        expect=r"threads_per_device=None\) on 8 cores timed its three lines with \[8, 8, 16\]",
+        why="by default each device of the CPU study gets every core, not cores // N"),
+    Bug("02.0-sweep-no-progress", L02T,
+        "            if progress:\n"
+        "                progress(",
+        "            if False:\n"
+        "                progress(",
+        (T02 + "test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran",),
+        expect=r"report every timing as it is taken",
+        why="the sweep never reports a timing as it is taken (the script is silent for minutes)"),
+    Bug("02.0-sweep-records-the-flag-not-the-threads", L02T,
+        "                      threads_per_device=t)",
+        "                      threads_per_device=threads_per_device)",
+        (T02 + "test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran",),
+        expect=r"'threads_per_device': None.*record the threads each device really got",
+        why="the JSON records threads_per_device=null when the default was used, not the "
+            "threads run"),
+    Bug("02.0-sweep-result-counts-swapped", L02T,
+        '"warmup": warmup, "repeats": repeats,',
+        '"warmup": repeats, "repeats": warmup,',
+        (T02 + "test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran",),
+        expect=r"'warmup': 5, 'repeats': 2.*the counts really used",
+        why="the JSON records warmup and repeats swapped"),
+    Bug("02.0-sweep-threads-per-device-ignored", L02T,
+        "t = threads_per_device or max(1, cpu_budget() // n_devices)",
+        "t = max(1, cpu_budget() // n_devices)",
+        (T02 + "test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran",),
+        expect=r"threads_per_device=3\) on 8 cores timed its three lines with \[4, 4, 8\]",
+        why="sweep() ignores --threads-per-device and always splits the cores"),
+    Bug("02.0-too-many-gpus-unchecked", L02T,
+        "        if gpu_count() >= 2 and n > gpu_count():",
+        "        if False:",
+        (T02 + "test_timing_cli_refuses_more_devices_than_gpus",),
+        expect=r"refuse more devices than GPUs",
+        why="--devices 4 on a 2-GPU machine is not refused up front"),
+    Bug("02.0-train-step-no-zero-grad", L02,
+        "    optimizer.zero_grad(set_to_none=True)\n"
+        "    loss = F.cross_entropy(dp_model(inputs)",
+        "    loss = F.cross_entropy(dp_model(inputs)",
+        (T02 + "test_wrap_puts_the_model_on_the_root_and_trains_like_one_device",),
+        expect=r"the wrapped model must train exactly like the plain one",
+        why="train_step never zeroes the gradients: they pile up from step to step"),
+    Bug("02.0-train-step-returns-the-tensor", L02,
+        "    optimizer.step()\n"
+        "    return loss.item()\n",
+        "    optimizer.step()\n"
+        "    return loss\n",
+        (T02 + "test_train_step_returns_the_loss_as_a_python_float",),
+        expect=r"return loss\.item\(\)",
+        why="train_step returns the loss tensor, not loss.item(): the list of losses "
+            "keeps every step's autograd graph alive"),
+    Bug("02.2-none-buffer-not-skipped", L02H,
+        "                    if b is not None:\n"
+        "                        copy._buffers[name] = b.clone()",
+        "                    if True:\n"
+        "                        copy._buffers[name] = b.clone()",
+        (T02 + "test_replicate_keeps_absent_parameters_and_buffers_absent",),
+        expect=r"AttributeError.*may hold None; skip those entries",
+        why="replicate clones None buffers (track_running_stats=False): AttributeError"),
+    Bug("02.2-none-parameter-not-skipped", L02H,
+        "                if p is not None:\n"
+        "                    copy._parameters[name]",
+        "                if True:\n"
+        "                    copy._parameters[name]",
+        (T02 + "test_replicate_keeps_absent_parameters_and_buffers_absent",),
+        expect=r"KeyError.*may hold None; skip those entries",
+        why="replicate looks up None parameters (bias=False): KeyError"),
+    Bug("02.6-replicas-for-n-not-for-the-chunks", L02H,
+        "        replicas = replicate(self.module, len(chunks), self.devices)",
+        "        replicas = replicate(self.module, self.n, self.devices)",
+        (T02 + "test_outputs_and_gradients_equal_a_single_model_on_the_full_batch",),
+        expect=r"3 replicas but 2 inputs",
+        why="forward makes n replicas even when a small batch gives fewer chunks"),
+    Bug("02.7-device-ids-not-passed", L02,
+        "    return nn.DataParallel(model, device_ids=device_ids), root",
+        "    return nn.DataParallel(model), root",
+        (T02 + "test_wrap_makes_the_first_device_id_the_root",),
+        expect=r"pass device_ids on to nn\.DataParallel",
+        why="nn.DataParallel is built without device_ids: it spreads over every visible GPU"),
+    Bug("02.7-root-always-cuda-0", L02,
+        'root = torch.device("cuda", device_ids[0] if device_ids else 0)',
+        'root = torch.device("cuda", 0)',
+        (T02 + "test_wrap_makes_the_first_device_id_the_root",),
+        expect=r"the root is device_ids\[0\]",
+        why="the root is hard-coded to cuda:0: with --device-ids 1,0 the weights sit on "
+            "the wrong GPU for nn.DataParallel"),
+    Bug("04.0-batch-not-on-device", L04,
+        "            source, targets = source.to(self.device), targets.to(self.device)",
+        "            source = source.to(self.device)",
+        (T04 + "test_each_epoch_trains_in_training_mode_on_the_device_and_keeps_every_loss",),
+        expect=r"never sent\s+to the device with \.to\(device\) in Trainer\._run_epoch",
+        why="the targets stay on the CPU while the loss is computed on the GPU"),
+    Bug("04.0-epoch-loss-summed", L04,
+        "        return sum(losses) / max(1, len(losses))",
+        "        return sum(losses)",
+        (T04 + "test_each_epoch_trains_in_training_mode_on_the_device_and_keeps_every_loss",),
+        expect=r"return the MEAN of the epoch's losses",
+        why="an epoch reports the sum of its batches' losses, not their mean"),
+    Bug("04.0-epochs-run-not-advanced", L04,
+        "            self.epochs_run = epoch + 1\n"
+        "            if self.snapshot_path",
+        "            if self.snapshot_path",
+        (T04 + "test_without_a_snapshot_the_trainer_starts_at_epoch_0_and_honours_limit_batches",),
+        expect=r"ran to epoch 0 with 2 epoch losses",
+        why="train() never advances epochs_run: snapshots say 0 epochs done"),
+    Bug("04.0-history-not-kept", L04,
+        "        self.history.extend(losses)\n",
+        "",
+        (T04 + "test_each_epoch_trains_in_training_mode_on_the_device_and_keeps_every_loss",),
+        expect=r"self\.history\.extend\(losses\)",
+        why="_run_epoch no longer keeps each step's loss in trainer.history: the loss "
+            "curve is empty"),
+    Bug("04.0-missing-snapshot-loaded", L04,
+        "        if snapshot_path and os.path.exists(snapshot_path):",
+        "        if snapshot_path:",
+        (T04 + "test_only_rank_0_writes_a_snapshot_without_module_prefix",),
+        expect=r"resume only when the file is there",
+        why="a first run with --snapshot (no file yet) tries to resume from it and fails"),
+    Bug("04.0-no-ddp-wrap", L04,
+        "        self.model = DDP(self.model, device_ids=[device.index] if device.type "
+        '== "cuda" else None)\n',
+        "",
+        (T04 + "test_every_rank_starts_from_the_snapshot",),
+        expect=r"must wrap the model in DDP",
+        why="the Trainer no longer wraps the model in DDP: the ranks' gradients are "
+            "never averaged"),
+    Bug("04.0-no-train-mode", L04,
+        "        # END SOLUTION\n"
+        "        self.model.train()\n",
+        "        # END SOLUTION\n",
+        (T04 + "test_each_epoch_trains_in_training_mode_on_the_device_and_keeps_every_loss",),
+        expect=r"call self\.model\.train\(\) first",
+        why="_run_epoch no longer calls model.train(): after evaluate() training runs in "
+            "eval mode"),
+    Bug("04.0-setup-inside-try", L04,
+        "    rank, world_size, device = ddp_setup(args)\n"
+        "    try:\n",
+        "    try:\n"
+        "        rank, world_size, device = ddp_setup(args)\n",
+        (T04 + "test_without_torchrun_the_script_says_how_to_launch",),
+        expect=r"Is ddp_setup inside run\(\)'s try",
+        why="ddp_setup inside run()'s try: without torchrun, finally destroys a group "
+            "that never existed and hides the launch error"),
+    Bug("04.1-local-world-defaults-to-1", L04,
+        'int(env.get("LOCAL_WORLD_SIZE", world_size))',
+        'int(env.get("LOCAL_WORLD_SIZE", 1))',
+        (T04 + "test_torchrun_env_defaults_and_reads_os_environ",),
+        expect=r"LOCAL_WORLD_SIZE defaults to\s+WORLD_SIZE",
+        why="LOCAL_WORLD_SIZE defaults to 1, not WORLD_SIZE: LOCAL_RANK 1 is then out of range"),
+    Bug("04.3-barrier-before-the-write", L04,
+        "        rngs = gather_rng_states(self.device)\n"
+        "        if get_rank() == 0:\n"
+        "            save_checkpoint(self.snapshot_path, self.model, self.optimizer, "
+        "epoch, rng=rngs,\n"
+        '                            world_size=len(rngs), sampler={"seed": '
+        "self.train_data.sampler.seed})\n"
+        "        barrier()\n",
+        "        rngs = gather_rng_states(self.device)\n"
+        "        barrier()\n"
+        "        if get_rank() == 0:\n"
+        "            save_checkpoint(self.snapshot_path, self.model, self.optimizer, "
+        "epoch, rng=rngs,\n"
+        '                            world_size=len(rngs), sampler={"seed": '
+        "self.train_data.sampler.seed})\n",
+        (T04 + "test_only_rank_0_writes_a_snapshot_without_module_prefix",),
+        expect=r"wait for it \(a barrier\)",
+        why="the barrier comes before rank 0's write: the other ranks go on before the "
+            "snapshot exists"),
+    Bug("04.5-seed-restored-only-when-exact", L04,
+        '            self.train_data.sampler.seed = info["sampler_seed"]\n',
+        '            if info["exact"]:\n'
+        '                self.train_data.sampler.seed = info["sampler_seed"]\n',
+        (T04 + "test_a_snapshot_from_another_world_size_resumes_at_its_epoch",),
+        expect=r"restore the\s+sampler's seed from it whatever the world size",
+        why="the sampler's seed is restored only when the world size matches: another "
+            "world size reshuffles"),
+    Bug("07.4-noise-moved-with-to", L07,
+        "        noise = torch.randn(x.shape, device=self.device, dtype=x.dtype)\n",
+        "        noise = torch.randn(x.shape, dtype=x.dtype).to(self.device)\n",
+        (T07 + "test_no_cuda_or_to_calls_inside_the_module",),
+        expect=r"LitClassifier calls \.to\(\)",
+        why="the noise is made on the CPU and moved with .to(): a copy per step, where "
+            "device=self.device makes it in place"),
+    Bug("07.0-forward-calls-cuda", L07,
+        "        return self.net(x)\n",
+        "        return self.net(x.cuda() if torch.cuda.is_available() else x)\n",
+        (T07 + "test_no_cuda_or_to_calls_inside_the_module",),
+        expect=r"LitClassifier calls \.cuda\(\)",
+        why="forward moves the batch with .cuda() itself: wrong GPU under DDP, and no MPS or "
+            "CPU run; Lightning has already moved it"),
 ]
 
 

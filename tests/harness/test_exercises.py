@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -126,6 +127,41 @@ def test_without_data_the_stubs_still_score_nothing_and_the_grade_says_it_is_inc
     assert skipped > 0, "no test needed the data: this test no longer checks anything"
     assert result["complete"] is False
     assert "score incomplete" in stdout and "make data" in stdout, stdout[-2000:]
+
+
+
+_L04 = "tests/l04_ddp_torchrun/test_ddp_torchrun.py::"
+_UNMARKED = _L04 + "test_without_torchrun_the_script_says_how_to_launch"  # needs task 04.1
+_MARKED = _L04 + "test_torchrun_env_defaults_and_reads_os_environ"  # task 04.1 itself
+
+
+def _run_on(tree, *node_ids):
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--target", str(tree), "-q", "-rs", "-p", "no:randomly",
+         "-p", "no:cacheprovider", "-p", "no:xdist", *node_ids],
+        capture_output=True, text=True, timeout=240, cwd=REPO)
+
+
+@pytest.mark.timeout(300)
+def test_an_unmarked_test_stopped_by_a_stub_is_skipped_and_names_the_task(tmp_path):
+    """On a student's tree an unmarked test that reaches a stub says which task it needs; a
+    task's own test still fails on it, and any other error in an unmarked test still fails."""
+    proc = _run_on(REPO / "exercises", _UNMARKED, _MARKED)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed, 1 skipped" in out, out[-3000:]
+    assert "needs Task 04.1, not done yet" in out, out[-3000:]
+    assert "skipped 1 unmarked test(s) that need a task not done yet: Task 04.1 (1)" in out
+    # the same stub raising another error than NotImplementedError is a real failure
+    tree = tmp_path / "exercises"
+    shutil.copytree(REPO / "exercises", tree, ignore=shutil.ignore_patterns("__pycache__"))
+    lesson = tree / "04_ddp_torchrun" / "ddp_torchrun.py"
+    text = lesson.read_text()
+    stub = 'raise NotImplementedError("Task 04.1: '
+    assert text.count(stub) == 1, "task 04.1's stub changed: update this test"
+    lesson.write_text(text.replace(stub, 'raise RuntimeError("Task 04.1: '))
+    proc = _run_on(tree, _UNMARKED)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed" in out and "skipped" not in out, out[-3000:]
 
 
 def test_lesson_paths_point_at_the_students_tree():

@@ -60,7 +60,10 @@ def test_run_batch_matches_a_reference_sgd_step(sd):
         ref_loss.backward()
         ref_opt.step()
         assert isinstance(loss, float), "return the loss as a Python float (loss.item())"
-        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5), (
+            f"step {seed}: _run_batch returned the loss {loss}, a plain SGD step on the same "
+            f"weights gives {ref_loss.item()}: the earlier steps did not update the weights as "
+            "zero_grad(), cross_entropy, backward(), step() would")
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, msg="the weights differ from plain SGD steps: zero "
                                              "the gradients before each backward()")
@@ -93,7 +96,9 @@ def test_evaluate_counts_every_sample_including_a_short_last_batch(sd):
     model = _Fixed(answers)
     correct, total = sd.evaluate(model, TensorLoader(x, targets, batch_size=4), CPU)
     assert (correct, total) == (6, 10)
-    assert isinstance(correct, int) and isinstance(total, int)
+    assert isinstance(correct, int) and isinstance(total, int), (
+        f"evaluate returned ({correct!r}, {total!r}): return the counts as Python ints "
+        "(int(... .sum())), not tensors")
 
 
 @pytest.mark.task("01.2")
@@ -290,6 +295,53 @@ def test_train_checkpoints_only_every_save_every_epochs(sd, tmp_path):
         "only when epochs_run % save_every == 0, with the number of epochs finished")
 
 
+def _stand_in_trainer(sd, n=80, **options):
+    """A Trainer over ``n`` separable samples in batches of 16 whose step (task 01.1) is a
+    stand-in returning the losses 1.0, 2.0, 3.0, ...: only the given loop around it is tested."""
+    x, y = _separable(n)
+    model = MLP()
+    trainer = sd.Trainer(model, sd.prepare_dataloader(x, y, 16),
+                         torch.optim.SGD(model.parameters(), lr=0.05), CPU, **options)
+    steps = iter(range(1, 1000))
+    trainer._run_batch = lambda source, targets: float(next(steps))
+    return trainer
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_returns_and_prints_the_mean_of_the_batches_it_ran(sd, capsys):
+    trainer = _stand_in_trainer(sd)  # 5 batches an epoch; limit_batches=2 runs the first 2
+    losses = trainer.train(2, limit_batches=2)
+    assert trainer.history == [1.0, 2.0, 3.0, 4.0], (
+        f"after 2 epochs of 2 batches, history is {trainer.history}: it must keep the loss of "
+        "every batch of every epoch (self.history.extend(losses)), for the loss curve")
+    assert losses == [1.5, 3.5], (
+        f"epochs with batch losses [1, 2] and [3, 4] returned {losses}, not [1.5, 3.5]: an "
+        "epoch's loss is the mean over the batches it ran (sum(losses) / len(losses)), not "
+        "divided by the loader's length when --limit-batches stops it early")
+    out = capsys.readouterr().out
+    assert "epoch 0: mean train loss 1.5000" in out and "epoch 1: mean train loss 3.5000" in out, (
+        f"train() printed {out!r}: the line of each epoch must show that epoch's mean loss "
+        "(losses[-1]), not its last batch's (history[-1])")
+
+
+@pytest.mark.timeout(60)
+def test_the_progress_flag_reaches_the_epoch_loop(sd, monkeypatch):
+    shown = []
+    real_batches = sd.cli.batches
+
+    def spy(loader, limit, desc, show):
+        shown.append(show)
+        return real_batches(loader, limit, desc, False)
+
+    monkeypatch.setattr(sd.cli, "batches", spy)
+    for progress in (False, True):
+        _stand_in_trainer(sd, 32, progress=progress).train(1)
+    assert shown == [False, True], (
+        f"Trainer(progress=False) and Trainer(progress=True) asked cli.batches for show={shown}, "
+        "not [False, True]: pass self.progress on to the epoch's cli.batches, so that "
+        "--no-progress turns the progress bar off")
+
+
 @pytest.mark.task("01.1")
 def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_path):
     torch.manual_seed(0)
@@ -321,6 +373,50 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
         f"train(3, limit_batches=3) took {len(resumed.history)} steps in its one epoch, not 3: "
         "pass limit_batches on to _run_epoch")
     assert modes and all(modes), "an epoch must train in training mode (model.train())"
+
+
+@pytest.mark.timeout(30)
+def test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device(sd, monkeypatch):
+    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by one that
+    # records whether the model had been sent to the Trainer's device when it was loaded
+    model = MLP()
+    loaded = []
+    with recording_moves() as moves:
+        def stand_in(path, into, optimizer=None, device="cpu"):
+            loaded.append(moves.module_sent(into, CPU))
+            return {"epoch": 2}
+
+        monkeypatch.setattr(sd, "load_checkpoint", stand_in)
+        trainer = sd.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9), CPU, resume_from="ck.pt")
+    assert trainer.epochs_run == 2 and loaded, "a resumed Trainer must load its checkpoint"
+    assert loaded == [True], (
+        "the Trainer loaded the checkpoint before it sent the model to its device: the "
+        "optimizer's momentum then stays on the CPU, and on a GPU the first step fails on "
+        "tensors on two devices. Move the model (model.to(device)) first, then load into "
+        "self.model")
+
+
+@pytest.mark.timeout(30)
+def test_resuming_from_a_missing_checkpoint_is_an_error(sd, tmp_path, monkeypatch):
+    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by what it does
+    # with a path that does not exist
+    def missing(path, *args, **kwargs):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+
+    monkeypatch.setattr(sd, "load_checkpoint", missing)
+    model = MLP()
+    try:
+        sd.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), CPU,
+                   resume_from=tmp_path / "missing.pt")
+    except CheckpointError:
+        pass
+    else:
+        pytest.fail(
+            "Trainer(resume_from=<a file that does not exist>) started at epoch 0 without an "
+            "error: --resume names a checkpoint that must be there, so let load_checkpoint's "
+            "CheckpointError through (a mistyped path would otherwise silently retrain from "
+            "epoch 0)")
 
 
 @pytest.mark.task("01.1")
@@ -367,6 +463,47 @@ def test_prepare_dataloader_shuffles_by_its_seed_and_every_epoch_differently(sd)
     assert plain == list(range(64)), "shuffle=False must keep the samples in order"
 
 
+@pytest.mark.timeout(30)
+def test_prepare_dataloader_shuffles_with_a_generator_of_its_own(sd):
+    x = torch.arange(64).float()[:, None]
+    y = torch.zeros(64, dtype=torch.long)
+
+    def first_order(loader):
+        return torch.cat([b[0][:, 0] for b in loader]).long().tolist()
+
+    with torch.random.fork_rng():  # this test's draws leave the process's generator alone
+        alone = first_order(sd.prepare_dataloader(x, y, 8, seed=0))
+        loader = sd.prepare_dataloader(x, y, 8, seed=0)
+        torch.rand(100)  # what the model's initialization or dropout draws in between
+        in_between = first_order(loader)
+        torch.manual_seed(1234)
+        expected = torch.rand(3)
+        torch.manual_seed(1234)
+        sd.prepare_dataloader(x, y, 8, seed=0)
+        after = torch.rand(3)
+    assert in_between == alone, (
+        "the same seed gave another order once something else had drawn random numbers: "
+        "shuffle with the loader's own torch.Generator().manual_seed(seed), not through "
+        "torch's global generator (torch.manual_seed)")
+    assert torch.equal(after, expected), (
+        "prepare_dataloader reseeded torch's global generator (torch.manual_seed): seed the "
+        "loader's own torch.Generator instead, and leave the model's initialization alone")
+
+
+@pytest.mark.timeout(30)
+def test_prepare_dataloader_keeps_the_short_last_batch(sd):
+    x = torch.arange(10).float()[:, None]
+    y = torch.zeros(10, dtype=torch.long)
+    for shuffle in (False, True):
+        loader = sd.prepare_dataloader(x, y, 4, shuffle=shuffle)
+        batches = [b[0][:, 0].long().tolist() for b in loader]
+        sizes, seen = [len(b) for b in batches], sorted(sum(batches, []))
+        assert sizes == [4, 4, 2] and seen == list(range(10)), (
+            f"10 samples in batches of 4 (shuffle={shuffle}) came as {batches}: keep the short "
+            "last batch (no drop_last), or its samples are never trained on, nor counted by "
+            "the evaluation")
+
+
 @requires_data
 @pytest.mark.task("01.1")
 @pytest.mark.timeout(900)  # correctness, not speed: a loaded 2-core machine is many times slower
@@ -397,6 +534,23 @@ def test_run_applies_threads_and_passes_checkpoint_and_resume_on(sd, monkeypatch
     assert seen.get("checkpoint_path") == ck and seen.get("resume_from") == old, (
         f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
         f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
+
+
+@pytest.mark.timeout(30)
+def test_run_trains_on_the_device_asked_for_and_returns_the_result(sd, monkeypatch):
+    # run() is given code: the device lookup and the training are stood in for
+    asked, seen = [], {}
+    result = {"accuracy": 0.5, "seconds": 1.0, "history": [2.0, 1.0]}
+    monkeypatch.setattr(sd, "pick_device", lambda requested, **kw: asked.append(requested) or CPU)
+    monkeypatch.setattr(sd.cli, "train_and_evaluate",
+                        lambda args, device, *fns, **options: seen.update(device=device) or result)
+    got = sd.run(sd.build_parser().parse_args([*FASHION, "--device", "cpu"]))
+    assert asked == ["cpu"] and seen.get("device") == CPU, (
+        f"--device cpu asked pick_device for {asked} and trained on {seen.get('device')}: "
+        "run() must pick the device --device names (pick_device(args.device)) and train on it")
+    assert got is result, (
+        f"run() returned {got!r}: return what cli.train_and_evaluate returns (the accuracy, "
+        "the time and the loss history), the notebook and the tests read it")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,6 +9,7 @@ import copy
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,6 +225,23 @@ def test_tied_weights_stay_tied_in_each_replica(dbh):
     for r in dbh.replicate(model, 2):
         assert r.a.weight is r.b.weight
         assert len(list(r.parameters())) == 2
+
+
+@pytest.mark.task("02.2")
+def test_replicate_keeps_absent_parameters_and_buffers_absent(dbh):
+    # bias=False and track_running_stats=False leave None in _parameters and _buffers
+    model = nn.Sequential(nn.Linear(4, 3, bias=False),
+                          nn.BatchNorm1d(3, track_running_stats=False))
+    x = torch.randn(6, 4)
+    try:
+        replicas = dbh.replicate(model, 2)
+    except (KeyError, AttributeError, TypeError) as exc:
+        pytest.fail(f"replicate failed on a Linear without bias and a BatchNorm without running "
+                    f"statistics ({type(exc).__name__}: {exc}): a module's _parameters and "
+                    "_buffers may hold None; skip those entries")
+    for r in replicas:
+        assert r[0].bias is None and r[1].running_mean is None
+        torch.testing.assert_close(r(x), model(x))
 
 
 # -------------------------------------------------------------------- 02.3 gradients summed
@@ -507,6 +525,25 @@ def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
 
 
 @pytest.mark.task("02.7")
+def test_wrap_makes_the_first_device_id_the_root(dp_mod, monkeypatch):
+    # a 2-GPU machine, faked: nothing is moved or wrapped for real
+    monkeypatch.setattr(dp_mod, "gpu_count", lambda: 2)
+    sent = []
+    monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: sent.append(
+        torch.device(a[0] if a else k["device"])) or self)
+    monkeypatch.setattr(nn, "DataParallel", lambda module, device_ids=None, **k:
+                        SimpleNamespace(module=module, device_ids=device_ids))
+    for ids, root in (([1, 0], torch.device("cuda", 1)), (None, torch.device("cuda", 0))):
+        sent.clear()
+        dp, got = dp_mod.wrap(_model("mlp"), ids)
+        assert got == root and root in sent, (
+            f"wrap(model, device_ids={ids}) made {got} the root and sent the model to {sent}: "
+            f"the root is device_ids[0] ({root}; cuda:0 when no ids are given), where "
+            "nn.DataParallel wants the weights and gathers the outputs")
+        assert dp.device_ids == ids, "pass device_ids on to nn.DataParallel"
+
+
+@pytest.mark.task("02.7")
 @pytest.mark.timeout(60)
 def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, monkeypatch,
                                                                       tmp_path):
@@ -530,6 +567,10 @@ def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, mon
         torch.testing.assert_close(w, v.cpu(), msg=f"{k}: --checkpoint's plain model is not the "
                                    "trained one: reload the saved file into it (load_plain) "
                                    "before reporting its accuracy")
+    saved = torch.load(tmp_path / "dp.pt", weights_only=True)
+    assert saved.get("epoch") == 2, (
+        f"--epochs 2 --checkpoint saved epoch={saved.get('epoch')!r}: record the epochs trained "
+        "with the weights (save_plain(..., epoch=args.epochs))")
     again = dp_mod.run(args)
     assert again["losses"] == result["losses"], (
         "two runs with the same --seed gave different losses: seed torch "
@@ -572,6 +613,28 @@ def test_training_run_passes_its_flags_on(dp_mod, monkeypatch):
         "accuracy on the training data hides overfitting")
 
 
+def test_training_run_hands_its_device_ids_to_wrap_and_uses_momentum(dp_mod, monkeypatch):
+    # given code: wrap (task 02.7) is stood in for, so only run()'s wiring is graded
+    x, y = _data(8)
+    monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: None)  # no dataset: 8 samples
+    monkeypatch.setattr(dp_mod, "make_loader", lambda *a, **k: TensorLoader(x, y, batch_size=4))
+    monkeypatch.setattr(dp_mod, "parse_ids", lambda text: [1, 0])  # as on a 2-GPU machine
+    asked = []
+    monkeypatch.setattr(dp_mod, "wrap", lambda model, device_ids=None: asked.append(device_ids)
+                        or (model, torch.device("cpu")))
+    made = []
+    real_sgd = torch.optim.SGD
+    monkeypatch.setattr(torch.optim, "SGD", lambda params, **k: made.append(k)
+                        or real_sgd(params, **k))
+    dp_mod.run(dp_mod.build_parser().parse_args(
+        ["--model", "mlp", "--device-ids", "1,0", "--limit-batches", "1", "--no-progress"]))
+    assert asked == [[1, 0]], (
+        f"--device-ids 1,0 reached wrap as device_ids={asked}: pass the parsed ids on "
+        "(wrap(model, ids)), or nn.DataParallel uses every visible GPU")
+    assert [k.get("momentum") for k in made] == [0.9], (
+        f"run() built SGD with {made}: lesson 01's optimizer is SGD with momentum=0.9")
+
+
 def test_accuracy_puts_back_the_mode_the_model_was_in(dp_mod):
     x, y = _data(8)
     model = _model("convnet")
@@ -601,6 +664,44 @@ def test_accuracy_predicts_in_eval_mode_on_batches_sent_to_the_device(dp_mod):
     assert not problem, problem
 
 
+def test_train_step_returns_the_loss_as_a_python_float(dp_mod):
+    # given code; any module will do (nn.DataParallel's forward just calls it on the CPU)
+    model = _model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss = dp_mod.train_step(model, _data(6, image=False), opt, torch.device("cpu"))
+    assert type(loss) is float, (
+        f"train_step returned a {type(loss).__name__}, not a float: return loss.item(). A list "
+        "of loss tensors keeps every step's autograd graph alive, and memory grows each step")
+
+
+class _SaysZero(nn.Module):
+    """Predicts class 0 for every sample, and says whether autograd recorded it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(10))
+        self.graphs = []
+
+    def forward(self, x):
+        out = (self.w + torch.eye(10)[0]).expand(len(x), 10)  # class 0 wins
+        self.graphs.append(out.requires_grad)
+        return out
+
+
+def test_accuracy_counts_a_short_last_batch_and_builds_no_graph(dp_mod):
+    # given code: 10 samples in batches of 4, 4 and 2; the first 5 are class 0
+    x, _ = _data(10)
+    y = torch.tensor([0] * 5 + [1] * 5)
+    model = _SaysZero()
+    acc = dp_mod.accuracy(model, TensorLoader(x, y, batch_size=4), torch.device("cpu"))
+    assert acc == pytest.approx(0.5), (
+        f"5 right out of 10 gave an accuracy of {acc:.4f}, not 0.5: count the samples of each "
+        "batch (y.numel()); the last batch is short, not batch_size")
+    assert model.graphs and not any(model.graphs), (
+        "accuracy() built an autograd graph for every test batch: keep @torch.no_grad() on it "
+        "(memory and time for nothing)")
+
+
 def test_parse_ids_refuses_every_gpu_the_machine_lacks(dp_mod, monkeypatch):
     monkeypatch.setattr(dp_mod, "gpu_count", lambda: 2)  # a 2-GPU machine: ids 0 and 1
     assert dp_mod.parse_ids("0,1") == [0, 1] and dp_mod.parse_ids(None) is None
@@ -620,6 +721,15 @@ def test_explain_devices_says_what_dataparallel_does_here(dp_mod):
     if dp_mod.gpu_count() == 0:
         assert "just calls" in text
     assert len(text) > 40
+
+
+def test_explain_devices_describes_the_device_ids_it_is_given(dp_mod, monkeypatch):
+    monkeypatch.setattr(dp_mod, "gpu_count", lambda: 4)  # a 4-GPU machine, faked
+    text = dp_mod.explain_devices([2, 3])
+    assert "[2, 3]" in text and "2 chunks" in text and "cuda:2" in text, (
+        f"explain_devices([2, 3]) on a 4-GPU machine says {text!r}: describe the --device-ids "
+        "given (2 chunks, gathered on cuda:2), not every GPU of the machine")
+    assert "[0, 1, 2, 3]" in dp_mod.explain_devices(), "no ids means every visible GPU"
 
 
 @pytest.mark.task("02.8")
@@ -677,8 +787,12 @@ def test_training_script_bad_input_is_one_clear_line():
 
 @pytest.mark.parametrize("args,needle", [(["--batch-size", "0"], "batch"),
                                          (["--device-ids", "a,b"], "device-ids"),
-                                         (["--checkpoint", "/no/such/dir/x.pt"], "folder")])
-def test_training_cli_rejects_bad_input_with_one_line(dp_mod, capsys, args, needle):
+                                         (["--checkpoint", "/no/such/dir/x.pt"], "folder"),
+                                         (["--epochs", "0"], "epochs")])
+def test_training_cli_rejects_bad_input_with_one_line(dp_mod, monkeypatch, capsys, args, needle):
+    monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: pytest.fail(
+        f"data_parallel.py {' '.join(args)} got past run()'s checks and started on the data: "
+        "check every flag up front (cli.validate(args)), not after the training"))
     assert dp_mod.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
@@ -821,6 +935,34 @@ def test_sweep_times_each_line_with_its_own_threads(timing, monkeypatch):
     assert torch.get_num_threads() == before, "sweep left torch's thread count changed"
 
 
+@pytest.mark.timeout(60)
+def test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran(timing, monkeypatch):
+    monkeypatch.setattr(timing, "gpu_count", lambda: 0)  # the CPU study, on any machine
+    monkeypatch.setattr(timing, "cpu_budget", lambda: 8)  # ... of an 8-core machine
+
+    def fake_time_forward(model, x, device, warmup=3, repeats=10):
+        threads.append(getattr(model, "threads_per_replica", None) or torch.get_num_threads())
+        return 0.001
+
+    monkeypatch.setattr(timing, "time_forward", fake_time_forward)
+    for per_device, want in ((None, 4), (3, 3)):
+        threads, lines = [], []
+        result = timing.sweep([2], 2, "mlp", warmup=2, repeats=5, threads_per_device=per_device,
+                              progress=lines.append)
+        assert threads == [want, want, 2 * want], (
+            f"sweep(n_devices=2, threads_per_device={per_device}) on 8 cores timed its three "
+            f"lines with {threads} threads, not {[want, want, 2 * want]}: each device gets "
+            "--threads-per-device threads, by default the cores split among the devices "
+            "(cpu_budget() // n_devices)")
+        recorded = {k: result.get(k) for k in ("threads_per_device", "warmup", "repeats")}
+        assert recorded == {"threads_per_device": want, "warmup": 2, "repeats": 5}, (
+            f"the result records {recorded}: record the threads each device really got and "
+            "the counts really used (warmup=2, repeats=5), or the JSON misdescribes the run")
+        assert len(lines) == 3, (
+            f"progress got {len(lines)} lines for 1 batch size x 3 lines: report every "
+            "timing as it is taken")
+
+
 def test_timing_script_bad_input_is_one_clear_line():
     proc = run_script(script(LESSON, "dp_timing.py"), "--devices", "0", timeout=60)
     assert "devices" in one_line_error(proc)
@@ -840,6 +982,12 @@ def test_timing_cli_rejects_bad_input_with_one_line(timing, monkeypatch, capsys,
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
 
 
+def _fake_sweep_result(batch_sizes, n_devices, model_name="fashioncnn", *args, **kwargs):
+    return {"model": model_name, "n_devices": n_devices, "batch_sizes": batch_sizes,
+            "label": "fake", "lines": {"a": [0.002] * len(batch_sizes),
+                                       "b": [0.001] * len(batch_sizes)}}
+
+
 def test_timing_script_passes_its_flags_to_the_sweep(timing, monkeypatch, tmp_path):
     calls = []
 
@@ -847,9 +995,7 @@ def test_timing_script_passes_its_flags_to_the_sweep(timing, monkeypatch, tmp_pa
                    threads_per_device=None, progress=None):
         calls.append(dict(batch_sizes=batch_sizes, n_devices=n_devices, model_name=model_name,
                           warmup=warmup, repeats=repeats, threads_per_device=threads_per_device))
-        return {"model": model_name, "n_devices": n_devices, "batch_sizes": batch_sizes,
-                "label": "fake", "lines": {"a": [0.002] * len(batch_sizes),
-                                           "b": [0.001] * len(batch_sizes)}}
+        return _fake_sweep_result(batch_sizes, n_devices, model_name)
 
     monkeypatch.setattr(timing, "sweep", fake_sweep)
     monkeypatch.setattr(timing, "plot", lambda result, path=None: None)
@@ -863,6 +1009,28 @@ def test_timing_script_passes_its_flags_to_the_sweep(timing, monkeypatch, tmp_pa
     assert not wrong, (
         f"main() ignored flags: sweep() got {{name: (got, asked)}} = {wrong}: pass every "
         "flag on (args.model, args.warmup, args.repeats, args.threads_per_device)")
+
+
+def test_timing_script_creates_the_out_folder(timing, monkeypatch, tmp_path):
+    monkeypatch.setattr(timing, "sweep", _fake_sweep_result)
+    monkeypatch.setattr(timing, "plot", lambda result, path=None: None)
+    out = tmp_path / "runs" / "new" / "t"  # a folder that does not exist yet
+    try:
+        code = timing.main(["--batch-sizes", "2", "--devices", "2", "--out", str(out)])
+    except FileNotFoundError as exc:
+        pytest.fail(f"--out {out} failed with {exc}: create its folder first "
+                    "(out.parent.mkdir(parents=True, exist_ok=True))")
+    assert code == 0 and out.with_suffix(".json").is_file()
+
+
+def test_timing_cli_refuses_more_devices_than_gpus(timing, monkeypatch, capsys):
+    monkeypatch.setattr(timing, "gpu_count", lambda: 2)  # a 2-GPU machine, faked
+    monkeypatch.setattr(timing, "sweep", lambda *a, **k: pytest.fail(
+        "dp_timing.py --devices 4 on a 2-GPU machine got past main()'s checks and started the "
+        "sweep: refuse more devices than GPUs up front with one 'error:' line"))
+    assert timing.main(["--devices", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "GPU" in err[0]
 
 
 def test_speedup_panel_plots_one_device_time_over_each_line_time(timing, monkeypatch):

@@ -144,6 +144,27 @@ def ddp_steps(rank, world_size, x, y, per_rank, steps, lr):
     return {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
 
 
+def norm_statistics_at_each_forward(rank, world_size, steps):
+    """Plain steps (not the task's ``_run_batch``) through a Trainer's DDP model, each rank on
+    its own data: the first batch-norm layer's running mean as each forward reaches it."""
+    mod = _mod()
+    torch.manual_seed(0)
+    model = ConvNet()  # with batch norm: running statistics, buffers rather than parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = mod.Trainer(model, None, opt, rank_device())
+    norm = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    seen = []
+    norm.register_forward_pre_hook(lambda m, args: seen.append(m.running_mean.cpu().clone()))
+    x, y = _data(8 * steps, seed=rank)
+    for s in range(steps):
+        opt.zero_grad()
+        batch = slice(8 * s, 8 * (s + 1))
+        F.cross_entropy(trainer.model(x[batch].to(rank_device())),
+                        y[batch].to(rank_device())).backward()
+        opt.step()
+    return seen
+
+
 def save_on_ranks(rank, world_size, folder):
     """First every rank saves to its OWN path (only rank 0 may write a file); then all save to
     one path while rank 0 writes slowly: nobody may return before the file is there."""

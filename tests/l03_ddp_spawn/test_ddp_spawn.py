@@ -13,16 +13,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from dpt import cli
-from dpt.data import load_tensors
+from dpt.checkpoint import CheckpointError
+from dpt.data import TensorLoader, load_tensors
 from dpt.device import DeviceError
-from dpt.dist import LaunchError, cpu_budget, find_free_port
+from dpt.dist import LaunchError, cpu_budget, find_free_port, group_of_one
 from dpt.models import ConvNet
 from dpt.testing import run_distributed
 from tests.helpers import (
     assert_every_rank_left_the_group,
     one_line_error,
+    recording_moves,
     requires_data,
     run_script,
 )
@@ -35,6 +38,7 @@ LESSON = "03_ddp_spawn"
 # Fashion-MNIST, which `make test` always provides (MNIST needs `make data`).
 FASHION = ("--dataset", "fashion-mnist")
 WS = 2
+CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------ 03.1 ddp_setup
@@ -202,6 +206,134 @@ def test_a_resumed_trainer_replays_the_missing_epochs_orders():
             "a run resumed at epoch 2 must train epochs 2 and 3, with their data order")
 
 
+@pytest.mark.task("03.3")  # the epoch loop is given code, but task 03.3 opens it
+@pytest.mark.timeout(60)
+def test_the_progress_flag_reaches_the_epoch_loop(monkeypatch):
+    mod = rank_fns._mod()
+    shown = []
+    real_batches = cli.batches
+
+    def spy(loader, limit, desc, show):
+        shown.append(show)
+        return real_batches(loader, limit, desc, False)
+
+    monkeypatch.setattr(mod.cli, "batches", spy)
+    x, y = rank_fns._data(16)
+    with group_of_one():  # this process alone is the job: DDP needs a group
+        for progress in (False, True):
+            model = ConvNet()
+            trainer = mod.Trainer(model, TensorLoader(x, y, batch_size=8,
+                                                      sampler=DistributedSampler(range(16))),
+                                  torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                                  progress=progress)
+            trainer._run_batch = lambda source, targets: 0.0  # task 01.1 stood in for
+            trainer.train(1)
+    assert shown == [False, True], (
+        f"Trainer(progress=False) and Trainer(progress=True) asked cli.batches for show={shown}, "
+        "not [False, True]: pass self.progress on to the epoch's cli.batches, so that "
+        "--no-progress turns every rank's progress bar off")
+
+
+@pytest.mark.timeout(60)
+def test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean(tmp_path, capsys):
+    # Trainer.train is given code: stand-ins for the epoch (03.3) and the save (03.4)
+    mod = rank_fns._mod()
+    model = ConvNet()
+    saved = []
+    with group_of_one():
+        trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                              save_every=2, checkpoint_path=tmp_path / "ck.pt")
+
+        def epoch_stand_in(epoch, limit_batches=None):
+            trainer.history.extend([float(epoch), epoch + 2.0])  # the batches' losses
+            return epoch + 1.0  # their mean
+
+        trainer._run_epoch = epoch_stand_in
+        trainer._save_checkpoint = saved.append
+        losses = trainer.train(5)
+    assert losses == [1.0, 2.0, 3.0, 4.0, 5.0], losses
+    assert saved == [2, 4], (
+        f"train(5) with save_every=2 saved checkpoints after epochs {saved}, not [2, 4]: save "
+        "only when epochs_run % save_every == 0 (--save-every), with the number of epochs "
+        "finished")
+    out = capsys.readouterr().out
+    assert "epoch 4: mean train loss 5.0000" in out, (
+        f"train() printed {out!r}: the line of each epoch must show that epoch's mean loss "
+        "(losses[-1]), not its last batch's (history[-1])")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_prints_the_resume_and_epoch_lines(rank, monkeypatch, capsys):
+    # Trainer.__init__ and train are given code: stand-ins for load_checkpoint (01.3), the
+    # epoch (03.3) and the save (03.4); this process, a world of one, plays `rank`
+    import dpt.dist
+
+    mod = rank_fns._mod()
+    monkeypatch.setattr(mod, "load_checkpoint", lambda *args, **kwargs: {"epoch": 1})
+    monkeypatch.setattr(dpt.dist, "get_rank", lambda: rank)  # what rank0_print asks
+    model = ConvNet()
+    with group_of_one():
+        trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                              resume_from="ck.pt")
+        trainer._run_epoch = lambda epoch, limit_batches=None: 1.0
+        trainer.train(3)
+    out = capsys.readouterr().out
+    if rank == 0:
+        assert "resumed from ck.pt at epoch 1" in out and "epoch 2: mean train loss" in out, out
+    else:
+        assert out == "", (
+            f"rank 1 printed {out!r}: only rank 0 prints the resume and the epoch lines "
+            "(rank0_print, not print), or every line appears once per process")
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device(monkeypatch):
+    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by one that
+    # records whether the model had been sent to the Trainer's device when it was loaded
+    mod = rank_fns._mod()
+    model = ConvNet()
+    loaded = []
+    with recording_moves() as moves, group_of_one():
+        def stand_in(path, into, optimizer=None, device="cpu"):
+            loaded.append(moves.module_sent(into, CPU))
+            return {"epoch": 2}
+
+        monkeypatch.setattr(mod, "load_checkpoint", stand_in)
+        trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                           momentum=0.9), CPU, resume_from="ck.pt")
+    assert trainer.epochs_run == 2 and loaded, "a resumed Trainer must load its checkpoint"
+    assert loaded == [True], (
+        "the Trainer loaded the checkpoint before it sent the model to its device: the "
+        "optimizer's momentum then stays on the CPU, and on a GPU the first step fails on "
+        "tensors on two devices. Move the model (model.to(device)) first, then load into "
+        "self.model")
+
+
+@pytest.mark.timeout(60)
+def test_resuming_from_a_missing_checkpoint_is_an_error(tmp_path, monkeypatch):
+    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by what it does
+    # with a path that does not exist
+    mod = rank_fns._mod()
+
+    def missing(path, *args, **kwargs):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+
+    monkeypatch.setattr(mod, "load_checkpoint", missing)
+    model = ConvNet()
+    with group_of_one():
+        try:
+            mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                        resume_from=tmp_path / "missing.pt")
+        except CheckpointError:
+            return
+    pytest.fail(
+        "Trainer(resume_from=<a file that does not exist>) started at epoch 0 without an "
+        "error: --resume names a checkpoint that must be there, so let load_checkpoint's "
+        "CheckpointError through (a mistyped path would otherwise silently retrain from "
+        "epoch 0)")
+
+
 # ------------------------------------------------------------------ 03.4 rank 0 checkpoints
 
 
@@ -278,18 +410,57 @@ def test_accuracy_counts_the_whole_test_set_once():
             "mode it was in (model.train(was_training)), not model.train()")
 
 
+@pytest.mark.task("03.5")
+@pytest.mark.timeout(60)
+def test_evaluate_returns_the_counts_as_python_ints():
+    mod = rank_fns._mod()
+    x, y = rank_fns._data(10)
+    torch.manual_seed(0)
+    with group_of_one():  # a world of one: the all-reduce adds nothing, the types stay
+        loader = TensorLoader(x, y, batch_size=4,
+                              sampler=DistributedSampler(range(10), shuffle=False))
+        counts = mod.evaluate(ConvNet(), loader, CPU)
+    assert [type(c).__name__ for c in counts] == ["int", "int"], (
+        f"evaluate returned {counts!r}: return the all-reduced counts as plain ints "
+        "(int(counts[0]), int(counts[1])), as lesson 01's evaluate does, not as tensors")
+    assert counts[1] == 10, counts
+
+
 def test_run_passes_the_checkpoint_and_resume_flags_on(monkeypatch):
     # run() is given code: joining and training are stood in for, only the wiring is tested
     mod = rank_fns._mod()
     seen = {}
     monkeypatch.setattr(mod, "ddp_setup", lambda local_rank, args: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
+    result = {"accuracy": 0.5, "seconds": 1.0, "history": []}
     monkeypatch.setattr(mod.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(options) or {})
-    mod.run(0, SimpleNamespace(checkpoint="ck.pt", resume="old.pt"))
+                        lambda args, device, *fns, **options: seen.update(options) or result)
+    got = mod.run(0, SimpleNamespace(checkpoint="ck.pt", resume="old.pt"))
     assert seen.get("checkpoint_path") == "ck.pt" and seen.get("resume_from") == "old.pt", (
         f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
         f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
+    assert got is result, (
+        f"run() returned {got!r}: return what cli.train_and_evaluate returns (the accuracy, "
+        "the time and the loss history), from inside the try, so destroy still runs")
+
+
+@pytest.mark.timeout(30)
+def test_a_process_that_cannot_join_reports_why(monkeypatch):
+    # run() is given code: the join (03.1) is stood in for by one that fails, as an
+    # unreachable node 0 makes it fail
+    mod = rank_fns._mod()
+
+    def cannot_join(local_rank, args):
+        raise RuntimeError("node 0 is unreachable (a failure the test injects)")
+
+    monkeypatch.setattr(mod, "ddp_setup", cannot_join)
+    with pytest.raises(Exception) as info:
+        mod.run(0, SimpleNamespace(checkpoint=None, resume=None))
+    assert "node 0 is unreachable" in str(info.value), (
+        f"a process that could not join raised {type(info.value).__name__}: {info.value}, not "
+        "the join's own error: call ddp_setup before the try, since the finally's "
+        "destroy_process_group() fails when no group was ever made, and its error hides why "
+        "the join failed")
 
 
 # ------------------------------------------------------------------ DDP itself (not a task)
@@ -316,6 +487,18 @@ def test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b():
         for rank, state in enumerate(states):
             torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5,
                                        msg=f"rank {rank}, {k}: DDP differs from batch 2B")
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_normalizes_with_rank_0_s_batch_norm_statistics():
+    # the Trainer's DDP wrapper is given code: the steps are plain ones, not task 01.1's
+    seen = run_distributed(rank_fns.norm_statistics_at_each_forward, WS, args=(3,), timeout=100)
+    assert len(seen[0]) == len(seen[1]) == 3, [len(s) for s in seen]
+    for step, (ours, theirs) in enumerate(zip(*seen)):
+        torch.testing.assert_close(theirs, ours, msg=(
+            f"step {step}: rank 1's batch norm started from running statistics other than rank "
+            "0's: keep DDP's broadcast_buffers on (the default), or each rank drifts to its own "
+            "statistics and evaluates a model other than the one rank 0 saves"))
 
 
 @pytest.mark.timeout(120)

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
 from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
-from tests.helpers import recording_moves, run_leaving_the_group, slowed
+from tests.helpers import recording_moves, run_leaving_the_group, slowed, unsent_message
 from tests.lessons import load
 
 LESSON = "04_ddp_torchrun"
@@ -80,8 +81,11 @@ def save_snapshot_on_ranks(rank, world_size, folder):
     """Every rank snapshots to its OWN path: only rank 0 may write a file."""
     mod = _mod()
     model, opt = _stepped_model(seed=0)  # the same weights on every rank
-    trainer = _trainer(mod, rank, world_size, model, opt, Path(folder) / f"snap{rank}.pt",
-                       seed=7)
+    try:  # a first run: the snapshot file does not exist yet
+        trainer = _trainer(mod, rank, world_size, model, opt, Path(folder) / f"snap{rank}.pt",
+                           seed=7)
+    except CheckpointError as exc:
+        return {"error": str(exc)}
     torch.manual_seed(1000 + rank)  # a different RNG state on every rank
     torch.rand(rank + 1)
     rng = torch.get_rng_state()
@@ -118,7 +122,8 @@ def resume_from_snapshot(rank, world_size, path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     with recording_moves() as moves:
         trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
-    start = {k: v.cpu().clone() for k, v in trainer.model.module.state_dict().items()}
+    plain = getattr(trainer.model, "module", trainer.model)  # DDP's module, if wrapped
+    start = {k: v.cpu().clone() for k, v in plain.state_dict().items()}
     optimizer = copy.deepcopy(opt.state_dict())  # training goes on to change it in place
     epochs_run = trainer.epochs_run
     trainer.snapshot_path = None  # train without writing over the test's snapshot
@@ -126,14 +131,16 @@ def resume_from_snapshot(rank, world_size, path):
     return {"start": start, "optimizer": optimizer, "epochs_run": epochs_run,
             "passes": trainer.train_data.sampler.passes,
             "model_sent": moves.module_sent(model, rank_device()),
-            "end": {k: v.detach().cpu() for k, v in trainer.model.module.named_parameters()}}
+            "end": {k: v.detach().cpu() for k, v in plain.named_parameters()}}
 
 
 def trainer_without_a_snapshot(rank, world_size):
-    """A run without --snapshot: the Trainer starts at epoch 0 and trains its batches."""
+    """A run without --snapshot: the Trainer starts at epoch 0 and trains its batches. The
+    model comes in eval mode (as evaluate() leaves it between runs), and the batches are
+    watched for their move to the device."""
     mod = _mod()
     torch.manual_seed(0)
-    model = ConvNet()
+    model = ConvNet().eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     try:
         trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=None)
@@ -141,9 +148,13 @@ def trainer_without_a_snapshot(rank, world_size):
         return {"error": f"{type(exc).__name__}: {exc}"}
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(module.training))
-    losses = trainer.train(2, limit_batches=2)
+    with recording_moves() as moves:
+        trainer.train_data = moves.loader(trainer.train_data)
+        losses = trainer.train(2, limit_batches=2)
     return {"error": None, "epochs_run": trainer.epochs_run, "forwards": len(forwards),
-            "losses": losses}
+            "losses": losses, "modes": forwards, "history": list(trainer.history),
+            "unsent": unsent_message(moves, rank_device(), "the training batches",
+                                     "Trainer._run_epoch")}
 
 
 def run_leaves_the_group(rank, world_size, fail):

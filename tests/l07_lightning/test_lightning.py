@@ -11,8 +11,10 @@ they leave that room: these tests check what is trained, never how fast.
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import re
+import tokenize
 import warnings
 
 import pytest
@@ -362,10 +364,21 @@ def test_new_tensors_follow_the_module_device_and_input_dtype(lf):
     assert model.add_noise(x) is x, "no noise in evaluation"
 
 
+def _code_without_text(source: str) -> str:
+    """``source``'s code tokens, one space apart: no comments, strings or docstrings (a stub's
+    hint may well say "never .cuda()")."""
+    text = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", None)}
+    return " ".join(t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type not in text)
+
+
 def test_no_cuda_or_to_calls_inside_the_module(lf):
-    source = inspect.getsource(lf.LitClassifier)
-    code = "\n".join(line.split("#")[0] for line in source.splitlines())
-    assert not re.search(r"\.cuda\(|\.to\(", code), "let Lightning move the module and batches"
+    code = _code_without_text(inspect.getsource(lf.LitClassifier))
+    found = re.findall(r"\.\s*(cuda|to)\s*\(", code)
+    assert not found, (
+        f"LitClassifier calls {', '.join(f'.{name}()' for name in found)}: let Lightning move "
+        "the module and the batches, and make new tensors where they belong "
+        "(device=self.device, or torch.randn_like(x))")
 
 
 # ------------------------------------------------------------------ 07.5 Fabric
