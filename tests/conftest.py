@@ -211,7 +211,7 @@ def pytest_runtest_makereport(item, call):
     if task is None:
         return
     report.outcome = "skipped"
-    report.longrepr = (str(item.path), item.location[1] or 0,
+    report.longrepr = (str(item.path), (item.location[1] or 0) + 1,
                        f"Skipped: {_NEEDS} {task}, not done yet in this tree (the test stopped "
                        "at its NotImplementedError; not scored)")
 
