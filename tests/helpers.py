@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpt.checkpoint import CheckpointError
 from dpt.data import is_present
 from dpt.notebook import script_env
 from tests.lessons import REPO
@@ -117,6 +118,71 @@ def assert_every_rank_left_the_group(results: list[dict], fail: bool, who: str) 
             f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
             f"finally block, so the {who} leaves the group whatever happens")
 
+
+
+# ----------------------------------------------------- the Trainer lessons 01 and 03 share
+# Its __init__, epoch loop and train() are given code in both lessons (lesson 03 adds DDP and
+# the sampler). The checks below stand in for the task code they reach, so they grade only
+# that given code; lesson 03 calls them inside a process group of one, which DDP needs.
+CPU = torch.device("cpu")
+
+
+def assert_progress_reaches_the_epoch_loop(mod, monkeypatch, train_one_epoch) -> None:
+    """``train_one_epoch(progress)`` builds a Trainer with that ``progress`` and trains it."""
+    shown = []
+    real_batches = mod.cli.batches
+
+    def spy(loader, limit, desc, show):
+        shown.append(show)
+        return real_batches(loader, limit, desc, False)
+
+    monkeypatch.setattr(mod.cli, "batches", spy)
+    for progress in (False, True):
+        train_one_epoch(progress)
+    assert shown == [False, True], (
+        f"Trainer(progress=False) and Trainer(progress=True) asked cli.batches for show={shown}, "
+        "not [False, True]: pass self.progress on to the epoch's cli.batches, so that "
+        "--no-progress turns the progress bar off (on every rank)")
+
+
+def assert_resume_loads_into_the_moved_model(mod, model, monkeypatch) -> None:
+    """``Trainer(resume_from=...)`` with ``load_checkpoint`` (task 01.3) stood in for by one
+    that records whether the model had been sent to the Trainer's device when it was loaded."""
+    loaded = []
+    with recording_moves() as moves:
+        def stand_in(path, into, optimizer=None, device="cpu"):
+            loaded.append(moves.module_sent(into, CPU))
+            return {"epoch": 2}
+
+        monkeypatch.setattr(mod, "load_checkpoint", stand_in)
+        trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                           momentum=0.9), CPU, resume_from="ck.pt")
+    assert trainer.epochs_run == 2 and loaded, "a resumed Trainer must load its checkpoint"
+    assert loaded == [True], (
+        "the Trainer loaded the checkpoint before it sent the model to its device: the "
+        "optimizer's momentum then stays on the CPU, and on a GPU the first step fails on "
+        "tensors on two devices. Move the model (model.to(device)) first, then load into "
+        "self.model")
+
+
+def assert_a_missing_resume_is_an_error(mod, model, monkeypatch, path) -> None:
+    """``Trainer(resume_from=path)`` with ``load_checkpoint`` (task 01.3) stood in for by what
+    it does with a path that does not exist."""
+
+    def missing(path, *args, **kwargs):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+
+    monkeypatch.setattr(mod, "load_checkpoint", missing)
+    try:
+        mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                    resume_from=path)
+    except CheckpointError:
+        return
+    pytest.fail(
+        "Trainer(resume_from=<a file that does not exist>) started at epoch 0 without an "
+        "error: --resume names a checkpoint that must be there, so let load_checkpoint's "
+        "CheckpointError through (a mistyped path would otherwise silently retrain from "
+        "epoch 0)")
 
 class MoveRecorder:
     """Which watched tensors and modules were sent to which device with ``.to()``.

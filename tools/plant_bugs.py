@@ -92,6 +92,35 @@ L08Z = "08_sharding/zero_optimizer.py"
 L08A = "08_sharding/zero_accounting.py"
 L08F = "08_sharding/fsdp2_train.py"
 
+# Lessons 01 and 03 share the Trainer's __init__ (lesson 03 grew from 01): one edit of it, the
+# checkpoint loaded before the model is sent to its device, planted in each.
+_LOAD_BEFORE_THE_MOVE = (
+    "        self.model = model.to(device)\n"
+    "        self.train_data = train_data\n"
+    "        self.optimizer = optimizer\n"
+    "        self.save_every = save_every\n"
+    "        self.checkpoint_path = checkpoint_path\n"
+    "        self.progress = progress\n"
+    "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+    "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+    "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+    "            self.epochs_run = load_checkpoint(resume_from, self.model, "
+    'optimizer, device)["epoch"]\n'
+    '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
+    "        self.train_data = train_data\n"
+    "        self.optimizer = optimizer\n"
+    "        self.save_every = save_every\n"
+    "        self.checkpoint_path = checkpoint_path\n"
+    "        self.progress = progress\n"
+    "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
+    "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
+    "        if resume_from:  # the model is on its device: the momentum goes there too\n"
+    "            self.epochs_run = load_checkpoint(resume_from, model, optimizer, "
+    'device)["epoch"]\n'
+    '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n'
+    "        self.model = model.to(device)\n",
+)
+
 BUGS: list[Bug] = [
     # --- lesson 01: one device ---------------------------------------------------------------
     Bug("01.1-no-zero-grad", L01,
@@ -2521,59 +2550,13 @@ BUGS: list[Bug] = [
         why="'if resume_from and Path(resume_from).exists()': a mistyped --resume "
             "silently trains from scratch"),
     Bug("01.0-resume-before-to-device", L01,
-        "        self.model = model.to(device)\n"
-        "        self.train_data = train_data\n"
-        "        self.optimizer = optimizer\n"
-        "        self.save_every = save_every\n"
-        "        self.checkpoint_path = checkpoint_path\n"
-        "        self.progress = progress\n"
-        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
-        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
-        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
-        "            self.epochs_run = load_checkpoint(resume_from, self.model, "
-        'optimizer, device)["epoch"]\n'
-        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
-        "        self.train_data = train_data\n"
-        "        self.optimizer = optimizer\n"
-        "        self.save_every = save_every\n"
-        "        self.checkpoint_path = checkpoint_path\n"
-        "        self.progress = progress\n"
-        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
-        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
-        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
-        "            self.epochs_run = load_checkpoint(resume_from, model, optimizer, "
-        'device)["epoch"]\n'
-        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n'
-        "        self.model = model.to(device)\n",
+        *_LOAD_BEFORE_THE_MOVE,
         (T01 + "test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device",),
         expect=r"loaded the checkpoint before it sent the model to its device",
         why="the checkpoint is loaded before model.to(device): the momentum stays on the "
             "CPU, and the first step on a GPU fails"),
     Bug("03.0-resume-before-to-device", L03,
-        "        self.model = model.to(device)\n"
-        "        self.train_data = train_data\n"
-        "        self.optimizer = optimizer\n"
-        "        self.save_every = save_every\n"
-        "        self.checkpoint_path = checkpoint_path\n"
-        "        self.progress = progress\n"
-        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
-        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
-        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
-        "            self.epochs_run = load_checkpoint(resume_from, self.model, "
-        'optimizer, device)["epoch"]\n'
-        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n',
-        "        self.train_data = train_data\n"
-        "        self.optimizer = optimizer\n"
-        "        self.save_every = save_every\n"
-        "        self.checkpoint_path = checkpoint_path\n"
-        "        self.progress = progress\n"
-        "        self.epochs_run = 0  # epochs finished: train() continues from here\n"
-        "        self.history: list[float] = []  # the loss of every step, for the loss curve\n"
-        "        if resume_from:  # the model is on its device: the momentum goes there too\n"
-        "            self.epochs_run = load_checkpoint(resume_from, model, optimizer, "
-        'device)["epoch"]\n'
-        '            rank0_print(f"resumed from {resume_from} at epoch {self.epochs_run}")\n'
-        "        self.model = model.to(device)\n",
+        *_LOAD_BEFORE_THE_MOVE,
         (T03 + "test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device",),
         expect=r"loaded the checkpoint before it sent the model to its device",
         why="the checkpoint is loaded before model.to(device): the momentum stays on the "

@@ -16,6 +16,9 @@ from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
 from dpt.models import MLP, ConvNet
 from tests.helpers import (
+    assert_a_missing_resume_is_an_error,
+    assert_progress_reaches_the_epoch_loop,
+    assert_resume_loads_into_the_moved_model,
     one_line_error,
     recording_moves,
     requires_data,
@@ -326,20 +329,8 @@ def test_an_epoch_returns_and_prints_the_mean_of_the_batches_it_ran(sd, capsys):
 
 @pytest.mark.timeout(60)
 def test_the_progress_flag_reaches_the_epoch_loop(sd, monkeypatch):
-    shown = []
-    real_batches = sd.cli.batches
-
-    def spy(loader, limit, desc, show):
-        shown.append(show)
-        return real_batches(loader, limit, desc, False)
-
-    monkeypatch.setattr(sd.cli, "batches", spy)
-    for progress in (False, True):
-        _stand_in_trainer(sd, 32, progress=progress).train(1)
-    assert shown == [False, True], (
-        f"Trainer(progress=False) and Trainer(progress=True) asked cli.batches for show={shown}, "
-        "not [False, True]: pass self.progress on to the epoch's cli.batches, so that "
-        "--no-progress turns the progress bar off")
+    assert_progress_reaches_the_epoch_loop(
+        sd, monkeypatch, lambda progress: _stand_in_trainer(sd, 32, progress=progress).train(1))
 
 
 @pytest.mark.task("01.1")
@@ -377,46 +368,14 @@ def test_trainer_resumes_where_the_checkpoint_left_off_in_training_mode(sd, tmp_
 
 @pytest.mark.timeout(30)
 def test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device(sd, monkeypatch):
-    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by one that
-    # records whether the model had been sent to the Trainer's device when it was loaded
-    model = MLP()
-    loaded = []
-    with recording_moves() as moves:
-        def stand_in(path, into, optimizer=None, device="cpu"):
-            loaded.append(moves.module_sent(into, CPU))
-            return {"epoch": 2}
-
-        monkeypatch.setattr(sd, "load_checkpoint", stand_in)
-        trainer = sd.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9), CPU, resume_from="ck.pt")
-    assert trainer.epochs_run == 2 and loaded, "a resumed Trainer must load its checkpoint"
-    assert loaded == [True], (
-        "the Trainer loaded the checkpoint before it sent the model to its device: the "
-        "optimizer's momentum then stays on the CPU, and on a GPU the first step fails on "
-        "tensors on two devices. Move the model (model.to(device)) first, then load into "
-        "self.model")
+    # Trainer.__init__ is given code; load_checkpoint (01.3) is stood in for
+    assert_resume_loads_into_the_moved_model(sd, MLP(), monkeypatch)
 
 
 @pytest.mark.timeout(30)
 def test_resuming_from_a_missing_checkpoint_is_an_error(sd, tmp_path, monkeypatch):
-    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by what it does
-    # with a path that does not exist
-    def missing(path, *args, **kwargs):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-
-    monkeypatch.setattr(sd, "load_checkpoint", missing)
-    model = MLP()
-    try:
-        sd.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1), CPU,
-                   resume_from=tmp_path / "missing.pt")
-    except CheckpointError:
-        pass
-    else:
-        pytest.fail(
-            "Trainer(resume_from=<a file that does not exist>) started at epoch 0 without an "
-            "error: --resume names a checkpoint that must be there, so let load_checkpoint's "
-            "CheckpointError through (a mistyped path would otherwise silently retrain from "
-            "epoch 0)")
+    # Trainer.__init__ is given code; load_checkpoint (01.3) is stood in for
+    assert_a_missing_resume_is_an_error(sd, MLP(), monkeypatch, tmp_path / "missing.pt")
 
 
 @pytest.mark.task("01.1")

@@ -16,16 +16,19 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from dpt import cli
-from dpt.checkpoint import CheckpointError
+from dpt import dist as dpt_dist
 from dpt.data import TensorLoader, load_tensors
 from dpt.device import DeviceError
 from dpt.dist import LaunchError, cpu_budget, find_free_port, group_of_one
 from dpt.models import ConvNet
 from dpt.testing import run_distributed
 from tests.helpers import (
+    CPU,
+    assert_a_missing_resume_is_an_error,
     assert_every_rank_left_the_group,
+    assert_progress_reaches_the_epoch_loop,
+    assert_resume_loads_into_the_moved_model,
     one_line_error,
-    recording_moves,
     requires_data,
     run_script,
 )
@@ -38,7 +41,6 @@ LESSON = "03_ddp_spawn"
 # Fashion-MNIST, which `make test` always provides (MNIST needs `make data`).
 FASHION = ("--dataset", "fashion-mnist")
 WS = 2
-CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------ 03.1 ddp_setup
@@ -210,28 +212,18 @@ def test_a_resumed_trainer_replays_the_missing_epochs_orders():
 @pytest.mark.timeout(60)
 def test_the_progress_flag_reaches_the_epoch_loop(monkeypatch):
     mod = rank_fns._mod()
-    shown = []
-    real_batches = cli.batches
-
-    def spy(loader, limit, desc, show):
-        shown.append(show)
-        return real_batches(loader, limit, desc, False)
-
-    monkeypatch.setattr(mod.cli, "batches", spy)
     x, y = rank_fns._data(16)
+
+    def train_one_epoch(progress):
+        model = ConvNet()
+        loader = TensorLoader(x, y, batch_size=8, sampler=DistributedSampler(range(16)))
+        trainer = mod.Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
+                              progress=progress)
+        trainer._run_batch = lambda source, targets: 0.0  # task 01.1 stood in for
+        trainer.train(1)
+
     with group_of_one():  # this process alone is the job: DDP needs a group
-        for progress in (False, True):
-            model = ConvNet()
-            trainer = mod.Trainer(model, TensorLoader(x, y, batch_size=8,
-                                                      sampler=DistributedSampler(range(16))),
-                                  torch.optim.SGD(model.parameters(), lr=0.01), CPU,
-                                  progress=progress)
-            trainer._run_batch = lambda source, targets: 0.0  # task 01.1 stood in for
-            trainer.train(1)
-    assert shown == [False, True], (
-        f"Trainer(progress=False) and Trainer(progress=True) asked cli.batches for show={shown}, "
-        "not [False, True]: pass self.progress on to the epoch's cli.batches, so that "
-        "--no-progress turns every rank's progress bar off")
+        assert_progress_reaches_the_epoch_loop(mod, monkeypatch, train_one_epoch)
 
 
 @pytest.mark.timeout(60)
@@ -267,11 +259,9 @@ def test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean(tmp_pa
 def test_only_rank_0_prints_the_resume_and_epoch_lines(rank, monkeypatch, capsys):
     # Trainer.__init__ and train are given code: stand-ins for load_checkpoint (01.3), the
     # epoch (03.3) and the save (03.4); this process, a world of one, plays `rank`
-    import dpt.dist
-
     mod = rank_fns._mod()
     monkeypatch.setattr(mod, "load_checkpoint", lambda *args, **kwargs: {"epoch": 1})
-    monkeypatch.setattr(dpt.dist, "get_rank", lambda: rank)  # what rank0_print asks
+    monkeypatch.setattr(dpt_dist, "get_rank", lambda: rank)  # what rank0_print asks
     model = ConvNet()
     with group_of_one():
         trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
@@ -289,49 +279,17 @@ def test_only_rank_0_prints_the_resume_and_epoch_lines(rank, monkeypatch, capsys
 
 @pytest.mark.timeout(60)
 def test_a_resumed_trainer_loads_the_checkpoint_into_the_model_on_its_device(monkeypatch):
-    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by one that
-    # records whether the model had been sent to the Trainer's device when it was loaded
-    mod = rank_fns._mod()
-    model = ConvNet()
-    loaded = []
-    with recording_moves() as moves, group_of_one():
-        def stand_in(path, into, optimizer=None, device="cpu"):
-            loaded.append(moves.module_sent(into, CPU))
-            return {"epoch": 2}
-
-        monkeypatch.setattr(mod, "load_checkpoint", stand_in)
-        trainer = mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                           momentum=0.9), CPU, resume_from="ck.pt")
-    assert trainer.epochs_run == 2 and loaded, "a resumed Trainer must load its checkpoint"
-    assert loaded == [True], (
-        "the Trainer loaded the checkpoint before it sent the model to its device: the "
-        "optimizer's momentum then stays on the CPU, and on a GPU the first step fails on "
-        "tensors on two devices. Move the model (model.to(device)) first, then load into "
-        "self.model")
+    # Trainer.__init__ is given code; load_checkpoint (01.3) is stood in for
+    with group_of_one():
+        assert_resume_loads_into_the_moved_model(rank_fns._mod(), ConvNet(), monkeypatch)
 
 
 @pytest.mark.timeout(60)
 def test_resuming_from_a_missing_checkpoint_is_an_error(tmp_path, monkeypatch):
-    # Trainer.__init__ is given code: load_checkpoint (01.3) is stood in for by what it does
-    # with a path that does not exist
-    mod = rank_fns._mod()
-
-    def missing(path, *args, **kwargs):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-
-    monkeypatch.setattr(mod, "load_checkpoint", missing)
-    model = ConvNet()
+    # Trainer.__init__ is given code; load_checkpoint (01.3) is stood in for
     with group_of_one():
-        try:
-            mod.Trainer(model, None, torch.optim.SGD(model.parameters(), lr=0.01), CPU,
-                        resume_from=tmp_path / "missing.pt")
-        except CheckpointError:
-            return
-    pytest.fail(
-        "Trainer(resume_from=<a file that does not exist>) started at epoch 0 without an "
-        "error: --resume names a checkpoint that must be there, so let load_checkpoint's "
-        "CheckpointError through (a mistyped path would otherwise silently retrain from "
-        "epoch 0)")
+        assert_a_missing_resume_is_an_error(rank_fns._mod(), ConvNet(), monkeypatch,
+                                            tmp_path / "missing.pt")
 
 
 # ------------------------------------------------------------------ 03.4 rank 0 checkpoints
