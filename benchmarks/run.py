@@ -74,7 +74,11 @@ RATIO_PAIRS = [("single", "single_dataloader"), ("ddp_naive", "ddp_spawn"),
 class Config:
     batch_size: int = 256  # per rank (weak scaling) or global (strong)
     warmup: int = 3  # per launch
-    steps: int = 6  # per repeat
+    steps: int = 6  # per repeat, at most: see repeat_budget_s
+    # A repeat of a slow step is cut to about this many seconds (never under 2 steps): bf16
+    # emulated on a CPU without avx512_bf16 takes over a second a step, and 6 of them would
+    # take a fifth of the default run without adding anything a shorter repeat cannot measure
+    repeat_budget_s: float = 3.0
     repeats: int = 2  # per launch
     rounds: int = 5  # launches of every (method, N), interleaved
     control_floor: float = 0.85  # the control's efficiency below which the machine was busy
@@ -120,6 +124,30 @@ def _timed(fn, steps: int, device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def steps_within_budget(step_s: float, most: int, budget_s: float | None,
+                        least: int = 2) -> int:
+    """Timed steps per repeat: ``most``, or fewer when a step takes so long (``step_s``) that
+    ``most`` of them would outlast ``budget_s``; never fewer than ``least`` (nor than ``most``
+    allows). ``budget_s`` None or 0 means no budget."""
+    if not budget_s or step_s <= 0:
+        return most
+    return max(min(least, most), min(most, int(budget_s / step_s)))
+
+
+def agreed_step_seconds(seconds: list[float], world_size: int, device) -> float:
+    """The warm-up's step time as every rank will use it: the last warm-up steps (the first
+    carries one-time costs), the slowest rank's. Each rank must take the same number of timed
+    steps, or a collective inside a step would wait for a partner that has stopped."""
+    import torch.distributed as dist
+
+    tail = seconds[1:] or seconds
+    t = torch.tensor([statistics.median(tail) if tail else 0.0], dtype=torch.float64,
+                     device=device)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     """Runs on every rank inside an initialized process group (see dpt.testing)."""
     import torch.distributed as dist
@@ -142,8 +170,16 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     made = m.factory(ctx)
     step, extras = (made if isinstance(made, tuple) else (made, {}))
     timers = extras.get("timers")
+    from dpt.device import synchronize
+
+    warm = []
     for _ in range(cfg["warmup"]):
+        t0 = time.perf_counter()
         loss = step()
+        synchronize(device)
+        warm.append(time.perf_counter() - t0)
+    steps = steps_within_budget(agreed_step_seconds(warm, world_size, device), cfg["steps"],
+                                cfg.get("repeat_budget_s"))
     step_times, comm_times, compute_times = [], [], []
     compute_step = extras.get("compute_step")
     for _ in range(cfg["repeats"]):
@@ -151,18 +187,18 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
             dist.barrier()
         if timers is not None:
             timers.clear()
-        step_times.append(_timed(step, cfg["steps"], device))
+        step_times.append(_timed(step, steps, device))
         if timers is not None and "comm" in timers:
-            comm_times.append(timers["comm"] / cfg["steps"])
+            comm_times.append(timers["comm"] / steps)
         if compute_step is not None:
             if world_size > 1:
                 dist.barrier()
-            compute_times.append(_timed(compute_step, cfg["steps"], device))
+            compute_times.append(_timed(compute_step, steps, device))
     loss = step()
     # The slowest rank sets the pace: every rank reports, the parent takes the max.
     mem, mem_kind, mem_each = _peak_memory_mb(devices)
     usage = resource.getrusage(resource.RUSAGE_SELF)  # this process's CPU (reset at fork)
-    out = {"rank": rank, "step_times": step_times, "loss": float(loss),
+    out = {"rank": rank, "step_times": step_times, "steps": steps, "loss": float(loss),
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
            "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
            "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores}
@@ -333,7 +369,8 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     per_rank = ranks[0]["per_rank_batch"]
     out.update(
         wall_s=round(after["t"] - before["t"], 2), per_rank_batch=per_rank,
-        step_times=per_repeat, samples_per_s=per_rank * n / statistics.median(per_repeat),
+        step_times=per_repeat, timed_steps=[r.get("steps", cfg.steps) for r in ranks],
+        samples_per_s=per_rank * n / statistics.median(per_repeat),
         peak_mem_mb=max(r["peak_mem_mb"] for r in ranks), mem_kind=ranks[0]["mem_kind"],
         peak_mem_mb_devices={f"rank{r['rank']} {d}": v for r in ranks
                              for d, v in r.get("peak_mem_mb_devices", {}).items()},
@@ -413,7 +450,8 @@ def finish_record(rec: dict) -> None:
                peak_mem_mb=max(r["peak_mem_mb"] for r in ok), mem_kind=ok[0]["mem_kind"],
                peak_mem_mb_devices=ok[-1].get("peak_mem_mb_devices", {}),
                final_loss=statistics.mean(r["final_loss"] for r in ok),
-               threads_per_rank=ok[0]["threads"])
+               threads_per_rank=ok[0]["threads"],
+               timed_steps=min(min(r.get("timed_steps") or [0]) for r in ok))
     summarize_record(rec)
 
 
@@ -556,6 +594,18 @@ def placement_note(result: dict) -> str:
     return text + "."
 
 
+def budget_note(result: dict) -> str:
+    """Which results took fewer timed steps than asked, their step being slow (or "")."""
+    cfg = result["config"]
+    cut = [f"{r['method']}{' batch=' + str(r['sweep']) if r.get('sweep') else ''} "
+           f"N={r['nprocs']}: {r['timed_steps']}" for r in result["records"]
+           if r.get("status") == "ok" and 0 < r.get("timed_steps", cfg["steps"]) < cfg["steps"]]
+    if not cut:
+        return ""
+    return (f"Slow steps, so fewer than {cfg['steps']} timed steps per repeat (a repeat is cut "
+            f"to about {cfg.get('repeat_budget_s')} s): {', '.join(cut)}.")
+
+
 def summary_markdown(result: dict) -> str:
     m, cfg = result["machine"], result["config"]
     rounds = cfg.get("rounds", 1)
@@ -572,6 +622,9 @@ def summary_markdown(result: dict) -> str:
     placement = placement_note(result)
     if placement:
         lines += [placement, ""]
+    cut = budget_note(result)
+    if cut:
+        lines += [cut, ""]
     lines += ["| method | N | status | samples/s | speedup | efficiency | step ms | comm ms | "
               "peak MB/rank | final loss | machine |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -869,6 +922,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "core(s)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per launch")
+    p.add_argument("--repeat-budget", type=float, default=None, metavar="SECONDS",
+                   help="cut a repeat of a slow step to about this long, never under 2 steps "
+                        "(default 3, 1.5 with --quick; 0: always --steps)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved launches of every (method, N); intervals need 2 or more")
     p.add_argument("--warmup", type=int, default=None)
@@ -920,6 +976,7 @@ def main(argv: list[str] | None = None) -> int:
                  pin=not args.no_pin)
     if args.quick:
         cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
+        cfg.repeat_budget_s = 1.5
         cfg.batch_size = 128
         cfg.sweep_batches = [64, 512]
         cfg.allreduce_sizes = [2**k for k in range(12, 23, 2)]
@@ -929,6 +986,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: --{key.replace('_', '-')} must be positive", file=sys.stderr)
                 return 2
             setattr(cfg, key, getattr(args, key))
+    if args.repeat_budget is not None:
+        if not args.repeat_budget >= 0:
+            print("error: --repeat-budget is seconds, 0 or more", file=sys.stderr)
+            return 2
+        cfg.repeat_budget_s = args.repeat_budget
     if args.timeout:
         cfg.timeout = args.timeout
     if args.control_floor is not None:
@@ -1077,6 +1139,7 @@ CSV_FIELDS = ["method", "nprocs", "status", "reliability", "scaling", "per_rank_
               "speedup", "speedup_lo", "speedup_hi", "efficiency", "efficiency_lo",
               "efficiency_hi", "rounds_ok", "step_s", "step_s_min", "step_s_max", "compute_s",
               "comm_s", "peak_mem_mb", "mem_kind", "final_loss", "threads_per_rank", "sweep",
+              "timed_steps",
               "flags", "notes", "error"]
 
 

@@ -27,3 +27,14 @@ def broken_torchrun(ctx):
         return 0.0
 
     return step
+
+
+@method("slow_step", "a step of 0.05 s on rank 0 and 0.2 s on the others (test only)")
+def slow_step(ctx):
+    seconds = 0.05 if ctx.rank == 0 else 0.2
+
+    def step():
+        time.sleep(seconds)
+        return 0.0
+
+    return step

@@ -150,6 +150,42 @@ def test_a_run_with_no_success_keeps_the_previous_good_results(tmp_path):
     assert "still points at the last good run" in proc.stderr
 
 
+def test_a_slow_step_gets_fewer_timed_steps_and_every_rank_takes_the_same_number():
+    from benchmarks.run import steps_within_budget
+
+    # bf16 emulated on a CPU without avx512_bf16: 1.3 s a step, 6 asked, about 3 s a repeat
+    assert steps_within_budget(1.3, 6, 3.0) == 2
+    assert steps_within_budget(0.19, 6, 3.0) == 6  # fp32 on the same CPU: left alone
+    assert steps_within_budget(0.7, 6, 3.0) == 4
+    assert steps_within_budget(30.0, 6, 3.0) == 2  # never under 2 steps...
+    assert steps_within_budget(30.0, 1, 3.0) == 1  # ...nor over what was asked
+    assert steps_within_budget(1.3, 6, 0) == 6 and steps_within_budget(1.3, 6, None) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ranks_agree_on_the_slowest_ranks_step_count_and_the_summary_says_so(tmp_path):
+    # rank 0 steps in 0.05 s, rank 1 in 0.2 s: a 0.5 s budget allows rank 0 alone its 6 steps,
+    # and 2 to rank 1, so at N=2 both ranks must take 2 (the slowest rank's count).
+    proc = _bench(tmp_path, "--methods", "slow_step", "--nprocs", "1,2", "--no-control",
+                  "--steps", "6", "--warmup", "2", "--rounds", "1", "--repeat-budget", "0.5")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = _latest(tmp_path)
+    recs = {r["nprocs"]: r for r in result["records"]}
+    assert all(r["status"] == "ok" for r in recs.values()), [_why(r) for r in recs.values()]
+    assert recs[1]["rounds"][0]["timed_steps"] == [6] and recs[1]["timed_steps"] == 6
+    assert recs[2]["rounds"][0]["timed_steps"] == [2, 2] and recs[2]["timed_steps"] == 2
+    assert result["config"]["repeat_budget_s"] == 0.5
+    summary = (tmp_path / "latest" / "summary.md").read_text()
+    assert "slow_step N=2: 2" in summary and "slow_step N=1" not in summary
+    rows = list(csv.DictReader((tmp_path / "latest" / "results.csv").read_text().splitlines()))
+    assert sorted(r["timed_steps"] for r in rows) == ["2", "6"]
+    # A negative budget is refused in one line.
+    bad = _bench(tmp_path, "--repeat-budget", "-1", timeout=60)
+    assert bad.returncode == 2 and "--repeat-budget" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_bad_arguments_get_one_clear_line(tmp_path):
     proc = _bench(tmp_path, "--methods", "no_such_method", timeout=60)
     assert proc.returncode == 2 and "unknown method" in proc.stderr
