@@ -177,7 +177,9 @@ def test_the_ranks_agree_on_the_slowest_ranks_step_count_and_the_summary_says_so
     assert recs[2]["rounds"][0]["timed_steps"] == [2, 2] and recs[2]["timed_steps"] == 2
     assert result["config"]["repeat_budget_s"] == 0.5
     summary = (tmp_path / "latest" / "summary.md").read_text()
-    assert "slow_step N=2: 2" in summary and "slow_step N=1" not in summary
+    # The line that names the cut results (on a busy machine the verdict names both Ns too).
+    cut = [line for line in summary.splitlines() if line.startswith("Slow steps")]
+    assert len(cut) == 1 and "slow_step N=2: 2" in cut[0] and "slow_step N=1" not in cut[0], cut
     rows = list(csv.DictReader((tmp_path / "latest" / "results.csv").read_text().splitlines()))
     assert sorted(r["timed_steps"] for r in rows) == ["2", "6"]
     # A negative budget is refused in one line.
