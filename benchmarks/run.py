@@ -170,14 +170,7 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     made = m.factory(ctx)
     step, extras = (made if isinstance(made, tuple) else (made, {}))
     timers = extras.get("timers")
-    from dpt.device import synchronize
-
-    warm = []
-    for _ in range(cfg["warmup"]):
-        t0 = time.perf_counter()
-        loss = step()
-        synchronize(device)
-        warm.append(time.perf_counter() - t0)
+    warm = [_timed(step, 1, device) for _ in range(cfg["warmup"])]
     steps = steps_within_budget(agreed_step_seconds(warm, world_size, device), cfg["steps"],
                                 cfg.get("repeat_budget_s"))
     step_times, comm_times, compute_times = [], [], []
