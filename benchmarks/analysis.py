@@ -77,6 +77,19 @@ def fmt_ci(value, lo, hi, fmt: str = ".2f") -> str:
     return f"{value:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
+def fmt_ms(seconds: float | None, digits: int = 3) -> str:
+    """Seconds as milliseconds with ``digits`` significant figures (at most the units of a
+    figure over 100): ``92.1``, ``1.23``, ``0.0456``. A GPU step of 40 microseconds reads
+    ``0.0400``, never ``0`` or ``0.0``."""
+    if seconds is None:
+        return ""
+    ms = 1000.0 * seconds
+    if ms == 0 or not math.isfinite(ms):
+        return format(ms, ".0f")
+    decimals = digits - 1 - math.floor(math.log10(abs(ms)))
+    return f"{ms:.{max(0, decimals)}f}"
+
+
 # ------------------------------------------------------------------------ busy machine
 
 

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         if p not in sys.path:
             sys.path.insert(0, p)
     import benchmarks.bench_l05_bucket_buffers as me  # ranks import it by name
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
 
     raw = run_distributed(me.bench_rank, world_size=2, threads=1, timeout=900, echo=False,
                           args=(args.width, args.depth, args.batch, args.bucket_cap_mb,

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         print(f"wrote {OUT / 'l05_scratch_vs_torch.png'}")
         return 0
     import benchmarks.bench_l05_scratch_vs_torch as me  # ranks import it by name
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
 
     raw = run_distributed(me.bench_rank, world_size=2, threads=1, timeout=900, echo=False,
                           args=(args.batch, args.steps, args.repeats, args.warmup))[0]

@@ -74,7 +74,7 @@ def worker(precision: str, world_size: int, batch: int, warmup: int, steps: int)
     if world_size == 1:
         results = [_measure(0, 1, precision, batch, warmup, steps)]
     else:
-        from dpt.testing import run_distributed
+        from dpt.ranks import run_distributed
 
         results = run_distributed(_measure, world_size=world_size,
                                   args=(precision, batch, warmup, steps), timeout=600)

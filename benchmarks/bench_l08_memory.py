@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
     from benchmarks.bench_l08_memory import memory_worker as worker  # importable by the ranks
     from dpt.models import count_parameters
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
 
     if args.hidden < 1 or args.layers < 0 or args.repeats < 1 or args.steps < 1:
         ap.error("--hidden, --repeats and --steps must be at least 1, --layers at least 0")

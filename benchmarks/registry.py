@@ -106,7 +106,7 @@ class Method:
     min_procs: int = 1
     lesson: str = ""
     max_procs: int | None = None
-    launcher: str = "spawn"  # "spawn": dpt.testing.run_distributed; "torchrun": torchrun
+    launcher: str = "spawn"  # "spawn": dpt.ranks.run_distributed; "torchrun": torchrun
 
 
 REGISTRY: dict[str, Method] = {}

@@ -5,6 +5,7 @@
     python -m benchmarks.run --methods single,ddp_spawn --nprocs 1,2
     python -m benchmarks.run --strong             # fixed global batch instead of per rank
     python -m benchmarks.run --project-bandwidth 25   # project the cost model onto 25 GB/s
+    python -m benchmarks.run --interconnect nvlink4   # one GPU: project N GPUs onto NVLink 4
 
 Every (method, N) is launched ``rounds`` times in fresh rank processes, with a hard timeout;
 one round launches each method at N = 1 and N = k back to back (the order flipped every other
@@ -20,6 +21,13 @@ Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``re
 ``summary.md`` and the PNG plots; ``benchmarks/runs/latest`` points at the last run with at
 least one successful measurement. The committed reference results of a 2-core CPU are in
 ``benchmarks/reference/``; a run never touches them.
+
+Where the ranks run follows ``dpt``: NCCL with a GPU per rank; gloo on the CPU where there is
+no GPU or ``DPT_TEST_BACKEND=gloo`` (the test suite) says so; gloo with several ranks per GPU
+under ``DPT_SHARE_GPU=1`` (:func:`rank_placement`). On one device there is no all-reduce to
+time, so the cost model is a projection onto a named interconnect (``--interconnect``).
+``--quick`` on GPUs plans its length before it starts (N = 1 and every GPU, as many rounds as
+fit in ``QUICK_GPU_BUDGET_S``) and stops launching when that time is spent.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import random
@@ -47,13 +56,20 @@ from benchmarks.analysis import (
     CONTROL,
     add_speedups,
     fmt_ci,
+    fmt_ms,
     judge,
     machine_load,
     read_proc_stat,
     summarize_record,
     throughput_ratios,
 )
-from benchmarks.costmodel import INTERCONNECTS, RingModel, fit_ring
+from benchmarks.costmodel import (
+    INTERCONNECTS,
+    PRESETS,
+    RingModel,
+    default_interconnect,
+    fit_ring,
+)
 from benchmarks.registry import BenchContext, load_all
 
 HERE = Path(__file__).resolve().parent
@@ -79,6 +95,9 @@ class Config:
     # emulated on a CPU without avx512_bf16 takes over a second a step, and 6 of them would
     # take a fifth of the default run without adding anything a shorter repeat cannot measure
     repeat_budget_s: float = 3.0
+    # A repeat times at least this many seconds of steps (never more than MAX_STEPS): a GPU
+    # step takes 1-2 ms, and 6 of them are too short a span to tell from the clock's noise
+    min_repeat_s: float = 0.1
     repeats: int = 2  # per launch
     rounds: int = 5  # launches of every (method, N), interleaved
     control_floor: float = 0.85  # the control's efficiency below which the machine was busy
@@ -87,10 +106,13 @@ class Config:
     # CPU runs: each rank on cores of its own (dpt.dist.pin_rank); --no-pin leaves it to the OS
     pin: bool = True
     # Each round's ranks fork from a new server, so each round samples a new memory layout
-    # (dpt.testing.restart_fork_server); otherwise one layout would bias a whole run
+    # (dpt.ranks.restart_fork_server); otherwise one layout would bias a whole run
     new_fork_server_each_round: bool = True
     model: str = "convnet"
     timeout: float = 300.0
+    # The whole run's launches stop when this many seconds are spent (None: no limit);
+    # --quick on GPUs sets QUICK_GPU_BUDGET_S and plans its rounds to fit (plan_run)
+    time_budget_s: float | None = None
     sweep_batches: list[int] = field(default_factory=lambda: [32, 128, 512])
     allreduce_sizes: list[int] = field(default_factory=lambda: [2**k for k in range(12, 25, 2)])
 
@@ -113,25 +135,41 @@ def _peak_memory_mb(devices: list[torch.device]) -> tuple[float, str, dict]:
     return rss, "process peak RSS", {"cpu": rss}
 
 
-def _timed(fn, steps: int, device) -> float:
+def _timed(fn, steps: int, devices) -> float:
+    """Seconds per call of ``fn`` over ``steps`` calls, every device in ``devices`` (one
+    device or a list) drained before the clock starts and before it stops: a CUDA step
+    returns before its kernels have run."""
     from dpt.device import synchronize
 
-    synchronize(device)
+    devices = devices if isinstance(devices, (list, tuple)) else [devices]
+    for d in devices:
+        synchronize(d)
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
-    synchronize(device)
+    for d in devices:
+        synchronize(d)
     return (time.perf_counter() - t0) / steps
 
 
+# The most steps a repeat takes to reach its floor (``Config.min_repeat_s``)
+MAX_STEPS = 10_000
+
+
 def steps_within_budget(step_s: float, most: int, budget_s: float | None,
-                        least: int = 2) -> int:
+                        least: int = 2, floor_s: float = 0.0) -> int:
     """Timed steps per repeat: ``most``, or fewer when a step takes so long (``step_s``) that
     ``most`` of them would outlast ``budget_s``; never fewer than ``least`` (nor than ``most``
-    allows). ``budget_s`` None or 0 means no budget."""
-    if not budget_s or step_s <= 0:
+    allows). ``budget_s`` None or 0 means no budget. When ``most`` steps would take less than
+    ``floor_s`` (a fast GPU step), as many steps as fill ``floor_s`` (at most ``MAX_STEPS``;
+    the floor never exceeds the budget)."""
+    if step_s <= 0:
         return most
-    return max(min(least, most), min(most, int(budget_s / step_s)))
+    steps = most if not budget_s else max(min(least, most), min(most, int(budget_s / step_s)))
+    floor_s = min(floor_s, budget_s) if budget_s else floor_s
+    if floor_s and steps * step_s < floor_s:
+        steps = min(MAX_STEPS, math.ceil(floor_s / step_s))
+    return steps
 
 
 def agreed_step_seconds(seconds: list[float], world_size: int, device) -> float:
@@ -149,30 +187,33 @@ def agreed_step_seconds(seconds: list[float], world_size: int, device) -> float:
 
 
 def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
-    """Runs on every rank inside an initialized process group (see dpt.testing)."""
+    """Runs on every rank inside an initialized process group (see dpt.ranks)."""
     import torch.distributed as dist
 
     from dpt.dist import env_int, pin_rank, rank_device
 
     methods = load_all()
     m = methods[method_name]
-    device = rank_device()  # this rank's GPU under NCCL, the CPU under gloo
+    # this rank's GPU under NCCL, its share of the GPUs under DPT_SHARE_GPU=1, else the CPU
+    device = rank_device()
     cores = (pin_rank(env_int("LOCAL_RANK", rank), env_int("LOCAL_WORLD_SIZE", world_size),
                       cfg["threads_per_rank"]) if cfg.get("pin") and device.type == "cpu"
              else None)
     per_rank = cfg["batch_size"] // world_size if cfg["strong"] else cfg["batch_size"]
     ctx = BenchContext(rank, world_size, device, max(1, per_rank), cfg["model"],
                        options=cfg.get("options", {}))
-    # One process driving every GPU (DataParallel) uses them all: record each one's peak.
+    # One process driving every GPU (DataParallel) uses them all: record each one's peak,
+    # and drain them all around the clock.
     devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
                if device.type == "cuda" and world_size == 1 and m.max_procs == 1 else [device])
     _reset_peaks(devices)
     made = m.factory(ctx)
     step, extras = (made if isinstance(made, tuple) else (made, {}))
     timers = extras.get("timers")
-    warm = [_timed(step, 1, device) for _ in range(cfg["warmup"])]
+    warm = [_timed(step, 1, devices) for _ in range(cfg["warmup"])]
+    # Every rank takes the same number of steps: the slowest rank's warm-up decides
     steps = steps_within_budget(agreed_step_seconds(warm, world_size, device), cfg["steps"],
-                                cfg.get("repeat_budget_s"))
+                                cfg.get("repeat_budget_s"), floor_s=cfg.get("min_repeat_s", 0))
     step_times, comm_times, compute_times = [], [], []
     compute_step = extras.get("compute_step")
     for _ in range(cfg["repeats"]):
@@ -180,13 +221,13 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
             dist.barrier()
         if timers is not None:
             timers.clear()
-        step_times.append(_timed(step, steps, device))
+        step_times.append(_timed(step, steps, devices))
         if timers is not None and "comm" in timers:
             comm_times.append(timers["comm"] / steps)
         if compute_step is not None:
             if world_size > 1:
                 dist.barrier()
-            compute_times.append(_timed(compute_step, steps, device))
+            compute_times.append(_timed(compute_step, steps, devices))
     loss = step()
     # The slowest rank sets the pace: every rank reports, the parent takes the max.
     mem, mem_kind, mem_each = _peak_memory_mb(devices)
@@ -234,7 +275,38 @@ def allreduce_curve(rank: int, world_size: int, sizes: list[int], repeats: int =
 # ------------------------------------------------------------------------ parent side
 
 
-def machine_info(threads_per_rank: int) -> dict:
+def rank_placement(n: int) -> tuple[str, str]:
+    """(backend, device type) of the ranks of an N-rank launch, as ``dpt`` places them.
+
+    ``run_distributed`` and the torchrun worker both follow it: DPT_TEST_BACKEND when set (the
+    test suite forces gloo, so the ranks compute on the CPU even on a GPU machine); gloo on the
+    GPUs when the ranks share them (``DPT_SHARE_GPU=1``, ``dpt.dist.shares_gpu``); NCCL with a
+    GPU per rank on a GPU machine; gloo on the CPU without one. On a GPU machine with fewer GPUs
+    than N, "auto" would fall back to gloo on the CPU: that is no comparison with N = 1 on a
+    GPU, so this says NCCL, and :func:`unmet_requirement` skips the N.
+    """
+    from dpt.dist import shares_gpu
+    from dpt.ranks import default_backend
+
+    backend = default_backend(n)
+    if backend == "nccl":
+        return "nccl", "cuda"
+    if shares_gpu():
+        return "gloo", "cuda"
+    forced = os.environ.get("DPT_TEST_BACKEND", "auto") not in ("", "auto")
+    if torch.cuda.is_available() and not forced:
+        return "nccl", "cuda"
+    return "gloo", "cpu"
+
+
+def _gpu_names() -> list[str]:
+    try:
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except (RuntimeError, AssertionError):  # a CUDA that cannot name its devices
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def machine_info(threads_per_rank: int, nmax: int = 1) -> dict:
     flags = []
     model = platform.processor()
     try:
@@ -252,33 +324,63 @@ def machine_info(threads_per_rank: int) -> dict:
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4"))),
         "torch": torch.__version__, "python": platform.python_version(),
         "gloo": torch.distributed.is_gloo_available(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "cuda_devices": _gpu_names() if torch.cuda.is_available() else [],
         "threads_per_rank": threads_per_rank, "hostname": platform.node(),
     }
-    info["label"] = (f"{len(info['cuda_devices'])} GPU(s), NCCL" if info["cuda_devices"]
-                     else f"{info['cores']}-core CPU, gloo, {threads_per_rank} thread(s) per rank")
+    try:
+        info["nccl"] = (".".join(map(str, torch.cuda.nccl.version()))
+                        if torch.cuda.is_available() else None)
+    except (RuntimeError, AttributeError):  # a torch built without NCCL
+        info["nccl"] = None
+    backend, device = rank_placement(nmax)
+    info["backend"], info["rank_device"] = backend, device
+    gpus = len(info["cuda_devices"])
+    cpu = f"{info['cores']}-core CPU, gloo, {threads_per_rank} thread(s) per rank"
+    if device == "cpu":
+        info["label"] = cpu + (f" (DPT_TEST_BACKEND=gloo: the {gpus} GPU(s) unused)" if gpus
+                               else "")
+    elif backend == "gloo":
+        info["label"] = f"{gpus} GPU(s) shared by the ranks, gloo (DPT_SHARE_GPU=1)"
+    else:
+        info["label"] = f"{gpus} GPU(s), NCCL"
     return info
 
 
-def default_nprocs() -> list[int]:
-    from dpt.dist import cpu_budget
+def default_nprocs(quick: bool = False) -> list[int]:
+    """1, 2, 4, ... up to the GPUs (one rank each), or to 4 ranks on each GPU's share when the
+    ranks share them (DPT_SHARE_GPU=1), or to the cores on a CPU. ``quick`` on GPUs: N = 1 and
+    the largest N only."""
+    from dpt.dist import cpu_budget, shares_gpu
 
-    limit = torch.cuda.device_count() if torch.cuda.is_available() else cpu_budget()
+    _, device = rank_placement(1)
+    if device == "cpu":
+        limit = cpu_budget()
+    elif shares_gpu():
+        limit = max(4, torch.cuda.device_count())
+    else:
+        limit = torch.cuda.device_count()
     ns, n = [], 1
     while n <= max(1, limit):
         ns.append(n)
         n *= 2
+    if quick and device == "cuda":
+        return sorted({1, ns[-1]})
     return ns
 
 
 def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
+    """Why N ranks cannot run a method needing ``req`` here, or None. The GPU count limits N
+    only under NCCL (one rank per GPU); the ranks' device is :func:`rank_placement`'s."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend, device = rank_placement(n)
+    on_cpu = ""
+    if device == "cpu" and gpus:
+        on_cpu = " (DPT_TEST_BACKEND=gloo runs the ranks on the CPU)"
     for r in req:
-        if r == "cuda" and gpus == 0:
-            return "needs a CUDA GPU"
-        if r.startswith("cuda>=") and gpus < int(r.split(">=")[1]):
-            return f"needs {r.split('>=')[1]} CUDA GPUs"
+        if r == "cuda" and device != "cuda":
+            return "needs a CUDA GPU" + on_cpu
+        if r.startswith("cuda>=") and (device != "cuda" or gpus < int(r.split(">=")[1])):
+            return f"needs {r.split('>=')[1]} CUDA GPUs" + on_cpu
         if r == "apex":
             try:
                 import apex.amp  # noqa: F401
@@ -294,8 +396,9 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
 
             if not is_present("fashion-mnist"):
                 return "needs Fashion-MNIST (make data)"
-    if gpus and n > gpus:
-        return f"N={n} exceeds the {gpus} GPUs"
+    if backend == "nccl" and n > gpus:
+        return (f"N={n} exceeds the {gpus} GPUs (NCCL takes one rank per GPU; DPT_SHARE_GPU=1 "
+                "lets ranks share them, with gloo)")
     return None
 
 
@@ -332,7 +435,7 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     repeat (``step_times``), the throughput, memory, loss and ``load`` (see
     ``analysis.machine_load``) over this launch.
     """
-    from dpt.testing import RankFailure, run_distributed
+    from dpt.ranks import RankFailure, run_distributed
 
     m = methods[name]
     out = {"round": round_no, "status": "ok"}
@@ -458,7 +561,7 @@ def run_torchrun(name: str, n: int, cfg: Config) -> list[dict]:
     import subprocess
     import tempfile
 
-    from dpt.testing import RankFailure
+    from dpt.ranks import RankFailure
 
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory(prefix="dpt-bench-torchrun-") as tmp:
@@ -508,9 +611,9 @@ def torchrun_root_cause(log: str) -> str:
 def torchrun_results(out: Path, n: int, returncode: int, log: str) -> list[dict]:
     """The N ranks' results from ``out``. When torchrun failed but every rank had already
     written its results (and reported no error), the rank crashed at exit, after the
-    measurement (the gloo teardown abort in the README's troubleshooting): the results stand,
+    measurement (the gloo teardown abort in docs/troubleshooting.md): the results stand,
     with a note saying so. Otherwise the failure is raised, its root cause as the last line."""
-    from dpt.testing import RankFailure
+    from dpt.ranks import RankFailure
 
     paths = [out / f"rank{r}.json" for r in range(n)]
     if returncode != 0 and not all(p.exists() for p in paths):
@@ -529,6 +632,9 @@ def grad_bytes(model_name: str) -> int:
 
     return sum(p.numel() * p.element_size() for p in build_model(model_name).parameters()
                if p.requires_grad)
+
+
+_clock = time.monotonic  # the run's clock for its time budget (a test replaces it)
 
 
 def fit_cost_model(curve: list, n: int) -> RingModel | None:
@@ -599,6 +705,24 @@ def budget_note(result: dict) -> str:
             f"to about {cfg.get('repeat_budget_s')} s): {', '.join(cut)}.")
 
 
+def cost_model_text(cm: dict) -> str:
+    """The cost model in a sentence: fitted here, or projected onto which interconnect."""
+    figures = (f"alpha = {cm['alpha_s'] * 1e6:.0f} us, bandwidth = "
+               f"{cm['bandwidth_Bps'] / 1e9:.2f} GB/s; gradients {cm['grad_bytes'] / 1e3:.0f} KB; "
+               f"compute {fmt_ms(cm['compute_s'])} ms a step ({cm['compute_from']} at N=1)")
+    if cm.get("source") == "projection":
+        head = (f"Cost model PROJECTED, not measured ({cm.get('why', '')}), onto "
+                f"{cm.get('preset_label', cm.get('preset'))} (`--interconnect {cm.get('preset')}`)")
+    else:
+        head = f"Cost model (fitted from all-reduce on {cm['fit_nprocs']} ranks)"
+    pred = cm.get("predicted_speedup")
+    tail = ""
+    if pred:
+        tail = (f". Predicted {cm.get('scaling', 'weak')}-scaling speedup: "
+                + ", ".join(f"N={n}: {v:.2f}" for n, v in pred.items()))
+    return f"{head}: {figures}{tail}."
+
+
 def summary_markdown(result: dict) -> str:
     m, cfg = result["machine"], result["config"]
     rounds = cfg.get("rounds", 1)
@@ -622,9 +746,6 @@ def summary_markdown(result: dict) -> str:
               "peak MB/rank | final loss | machine |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def f(x, fmt):
-        return format(x, fmt) if isinstance(x, (int, float)) else ""
-
     for r in result["records"]:
         if r.get("sweep") is not None:
             continue
@@ -640,7 +761,7 @@ def summary_markdown(result: dict) -> str:
             f"{fmt_ci(r['samples_per_s'], r.get('samples_per_s_lo'), r.get('samples_per_s_hi'), '.0f')} | "
             f"{fmt_ci(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))} | "
             f"{fmt_ci(r.get('efficiency'), r.get('efficiency_lo'), r.get('efficiency_hi'))} | "
-            f"{1000 * r['step_s']:.1f} | {f(r.get('comm_s', None) and 1000 * r['comm_s'], '.1f')} "
+            f"{fmt_ms(r['step_s'])} | {fmt_ms(r.get('comm_s'))} "
             f"| {r['peak_mem_mb']:.0f} | {r['final_loss']:.3f} | {rel} |")
     if result.get("ratios"):
         lines += ["", "Throughput ratios, same N, paired by round:", "",
@@ -650,9 +771,7 @@ def summary_markdown(result: dict) -> str:
                          f"{fmt_ci(q['value'], q['lo'], q['hi'])} |")
     cm = result.get("cost_model")
     if cm:
-        lines += ["", f"Cost model (fitted from all-reduce on {cm['fit_nprocs']} ranks): "
-                      f"alpha = {cm['alpha_s'] * 1e6:.0f} us, bandwidth = "
-                      f"{cm['bandwidth_Bps'] / 1e9:.2f} GB/s; gradients {cm['grad_bytes'] / 1e3:.0f} KB."]
+        lines += ["", cost_model_text(cm)]
     sweep = [r for r in _ok(result, sweep=True) if r["nprocs"] > 1]
     if sweep:
         lines += ["", f"Per-rank batch sweep ({sweep[0]['method']}): batch -> speedup at "
@@ -838,16 +957,16 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         save(fig, fname)
 
     if cm:
+        cm = {"scaling": result["config"].get("scaling", "weak"), **cm}
         fig, ax = plt.subplots(figsize=(6.5, 4.6))
         ax.plot(project_ns, project_ns, "k:", label="ideal")
-        model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
-        ax.plot(project_ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                             for n in project_ns], "--", color="gray",
-                label=f"predicted, this machine ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+        where = (f"projected, {cm.get('preset_label', cm.get('preset'))}"
+                 if cm.get("source") == "projection" else "predicted, this machine")
+        ax.plot(project_ns, predicted_speedups(cm, project_ns), "--", color="gray",
+                label=f"{where} ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
         for pname, gbps in (cm.get("projections") or {}).items():
-            proj = RingModel(cm["alpha_s"], gbps * 1e9)
-            ax.plot(project_ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"])
-                                 for n in project_ns], "--", label=f"predicted, {pname}")
+            ax.plot(project_ns, predicted_speedups(cm, project_ns, bandwidth_Bps=gbps * 1e9),
+                    "--", label=f"predicted, {pname}")
         for mname in ("ddp_spawn", CONTROL):
             pts = sorted((r["nprocs"], r["speedup"]) for r in recs
                          if r["method"] == mname and r.get("speedup") is not None)
@@ -859,7 +978,8 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         ax.set_yscale("log", base=2)
         ax.set_xlabel("N (ranks)")
         ax.set_ylabel("speedup")
-        ax.set_title("Cost model (dashed = predicted, not measured)", fontsize=9)
+        ax.set_title(f"Cost model, {cm['scaling']} scaling (dashed = predicted, not measured)",
+                     fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "costmodel.png", marked="measured points")
 
@@ -901,11 +1021,14 @@ def parse_list(text: str | None, kind=str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Time 1-vs-N runs of every method; plot speedups.")
-    p.add_argument("--quick", action="store_true", help="a short run (under 5 min on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run (under 5 min on 2 cores; on GPUs N = 1 and all of them, "
+                        "as many rounds as fit in 4.5 min)")
     p.add_argument("--methods", default=os.environ.get("METHODS") or None,
                    help="comma-separated subset (default: all registered)")
     p.add_argument("--nprocs", default=os.environ.get("NPROCS") or None,
-                   help="comma-separated N values (default: 1, 2, 4, ... up to the devices)")
+                   help="comma-separated N values (default: 1, 2, 4, ... up to the devices; "
+                        "with DPT_SHARE_GPU=1 up to 4 ranks on one GPU)")
     p.add_argument("--strong", action="store_true", help="fixed global batch (strong scaling)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--model", default="convnet", help="convnet, mlp or fashioncnn")
@@ -918,6 +1041,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-budget", type=float, default=None, metavar="SECONDS",
                    help="cut a repeat of a slow step to about this long, never under 2 steps "
                         "(default 3, 1.5 with --quick; 0: always --steps)")
+    p.add_argument("--min-repeat", type=float, default=None, metavar="SECONDS",
+                   help="time at least this long a repeat, taking more steps than --steps when "
+                        "a step is fast (default 0.1: a GPU step of 1-2 ms)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop launching once the run has spent this long (default: no limit; "
+                        f"{QUICK_GPU_BUDGET_S:.0f} with --quick on GPUs; 0: no limit)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved launches of every (method, N); intervals need 2 or more")
     p.add_argument("--warmup", type=int, default=None)
@@ -933,6 +1062,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GB/s of a target interconnect to project onto (repeatable)")
     p.add_argument("--project", action="append", default=[], choices=sorted(INTERCONNECTS),
                    help="a named interconnect to project onto (repeatable)")
+    p.add_argument("--interconnect", default=None, choices=sorted(PRESETS),
+                   help="the interconnect the cost model projects onto instead of fitting this "
+                        "machine's all-reduce (on one device the default is the GPUs' likely "
+                        "one: NVLink 4 for an H100 SXM, NVLink 3 for an A100, else PCIe 4 x16)")
     p.add_argument("--out", type=Path, default=RUNS,
                    help="folder for the runs: each goes to OUT/<stamp>/, OUT/latest links to "
                         "the last good one (default benchmarks/runs, ignored by git)")
@@ -954,6 +1087,213 @@ def link_latest(root: Path, run_dir: Path) -> None:
     write_atomic(root / "LATEST", run_dir.name + "\n")
 
 
+class UsageError(ValueError):
+    """Bad command-line input: main prints it as one ``error:`` line and exits with 2."""
+
+
+# Planning a run's length (--quick on GPUs, --time-budget): what one launch costs beyond its
+# timed repeats. Starting the ranks (a fork of a server that has imported torch, or a new
+# interpreter under torchrun), CUDA and NCCL start-up, building the model and the warm-up
+# steps. Generous figures for a GPU machine; whatever launches really cost, the run stops
+# launching when its budget is spent (TimeBudget).
+LAUNCH_OVERHEAD_S = {"spawn": 6.0, "torchrun": 15.0}
+CURVE_S = 20.0  # the all-reduce curve: one launch at the largest N
+# --quick on GPUs: seconds of launches, so that the run (imports, plots) ends within 5 minutes
+QUICK_GPU_BUDGET_S = 270.0
+
+
+def launch_estimate_s(launcher: str, cfg: Config) -> float:
+    """The planned cost of one launch: its start-up, then each repeat of the step and of its
+    compute-only twin, each repeat cut to about ``repeat_budget_s`` (or ``min_repeat_s``)."""
+    repeat = max(cfg.repeat_budget_s or cfg.min_repeat_s, cfg.min_repeat_s)
+    return LAUNCH_OVERHEAD_S.get(launcher, LAUNCH_OVERHEAD_S["torchrun"]) + cfg.repeats * 2 * repeat
+
+
+class TimeBudget:
+    """Launches stop once the next one would end past ``seconds`` from the start.
+
+    The next launch's cost is its planned estimate, scaled by the largest ratio of a launch's
+    real cost to its estimate so far (a slower machine than planned shows in its first
+    launch), and never less than the longest launch of the same kind (launcher, N) so far.
+    Only a launch slower than every one before it can end past the budget. ``seconds`` None:
+    no limit.
+    """
+
+    def __init__(self, seconds: float | None, clock=time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self.start = clock()
+        self.longest: dict[tuple, float] = {}
+        self.slowdown = 1.0
+        self.refused = 0
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def cost(self, kind: tuple, estimate_s: float) -> float:
+        return max(estimate_s * self.slowdown, self.longest.get(kind, 0.0))
+
+    def allows(self, kind: tuple, estimate_s: float) -> bool:
+        if self.seconds is None:
+            return True
+        if self.elapsed() + self.cost(kind, estimate_s) > self.seconds:
+            self.refused += 1
+            return False
+        return True
+
+    def spent(self, kind: tuple, estimate_s: float, seconds: float) -> None:
+        self.longest[kind] = max(seconds, self.longest.get(kind, 0.0))
+        if estimate_s > 0:
+            self.slowdown = max(self.slowdown, seconds / estimate_s)
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    names: list[str]
+    ns: list[int]
+    groups: list  # (records of one method at every N, that group's Config)
+    records: list[dict]
+    planned_s: float  # the launches' planned length, curve included
+    per_round_s: float
+    placement: tuple[str, str]  # (backend, device type) at the largest N
+
+    def text(self) -> str:
+        launches = sum(r["status"] == "ok" for r in self.records)
+        budget = self.cfg.time_budget_s
+        return (f"plan: {launches} launch(es) a round x {self.cfg.rounds} round(s)"
+                + (" + the all-reduce curve" if max(self.ns) > 1 else "")
+                + f", planned {'at most' if budget else 'about'} {self.planned_s / 60:.1f} min"
+                + (f" (budget {budget / 60:.1f} min: launches stop when it is spent)"
+                   if budget else ""))
+
+
+def plan_run(args: argparse.Namespace, methods) -> Plan:
+    """The run ``args`` ask for, without running it: the configuration, N values, records
+    and the planned length. ``--quick`` on GPUs takes N = 1 and the largest N, no batch sweep,
+    and as many rounds (at most 3, at least 1) as fit in ``QUICK_GPU_BUDGET_S``. Raises
+    :class:`UsageError` on bad input."""
+    cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model,
+                 pin=not args.no_pin)
+    names = parse_list(args.methods) or list(methods)
+    unknown = [n for n in names if n not in methods]
+    if unknown:
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(methods)}")
+    try:
+        asked_ns = parse_list(args.nprocs, int)
+    except ValueError:
+        raise UsageError(f"--nprocs takes integers like 1,2,4, got {args.nprocs!r}") from None
+    ns = sorted(set(asked_ns or default_nprocs(quick=args.quick)))
+    if any(n < 1 for n in ns):
+        raise UsageError("every N in --nprocs must be at least 1")
+    placement = rank_placement(max(ns))
+    on_gpu = placement[1] == "cuda"
+    sweep = not args.no_sweep and not args.methods and max(ns) > 1
+    if args.quick:
+        cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
+        cfg.repeat_budget_s = 1.5
+        cfg.batch_size = 128
+        cfg.sweep_batches = [64, 512]
+        cfg.allreduce_sizes = [2**k for k in range(12, 23, 2)]
+        if on_gpu:  # steps of milliseconds: a repeat of 0.1-0.5 s measures them
+            cfg.repeat_budget_s, cfg.timeout = 0.5, 120.0
+            cfg.time_budget_s = QUICK_GPU_BUDGET_S
+            sweep = False
+    for key in ("batch_size", "steps", "repeats", "warmup", "rounds"):
+        if getattr(args, key) is not None:
+            if getattr(args, key) < (0 if key == "warmup" else 1):
+                raise UsageError(f"--{key.replace('_', '-')} must be positive")
+            setattr(cfg, key, getattr(args, key))
+    for flag, key in (("--repeat-budget", "repeat_budget"), ("--min-repeat", "min_repeat"),
+                      ("--time-budget", "time_budget")):
+        value = getattr(args, key)
+        if value is not None and not value >= 0:
+            raise UsageError(f"{flag} is seconds, 0 or more")
+    if args.repeat_budget is not None:
+        cfg.repeat_budget_s = args.repeat_budget
+    if args.min_repeat is not None:
+        cfg.min_repeat_s = args.min_repeat
+    if args.time_budget is not None:
+        cfg.time_budget_s = args.time_budget or None  # 0: no limit
+    if args.timeout:
+        cfg.timeout = args.timeout
+    if args.control_floor is not None:
+        if not 0 < args.control_floor <= 1:
+            raise UsageError("--control-floor is an efficiency between 0 and 1")
+        cfg.control_floor = args.control_floor
+    if max(ns) > 1 and CONTROL not in names and not args.no_control and CONTROL in methods:
+        names.insert(0, CONTROL)  # the control runs in the same rounds as everything else
+
+    # Every (method, N) is a record; a round launches each once, N=1 and N=k back to back,
+    # the order flipped every other round, so slow drifts of the machine hit both alike, and
+    # the methods shuffled anew each round (round_schedule).
+    records, groups = [], []
+    for name in names:
+        group = [new_record(name, n, cfg, methods) for n in ns]
+        records += group
+        groups.append((group, cfg))
+    if sweep and args.sweep_method in methods:
+        for b in cfg.sweep_batches:
+            group = [new_record(args.sweep_method, n, cfg, methods, sweep=b)
+                     for n in sorted({1, max(ns)})]
+            records += group
+            groups.append((group, replace(cfg, batch_size=b)))
+    per_round = sum(launch_estimate_s(methods[r["method"]].launcher, gcfg)
+                    for group, gcfg in groups for r in group if r["status"] == "ok")
+    curve = CURVE_S if max(ns) > 1 else 0.0
+    if args.quick and on_gpu and args.rounds is None and cfg.time_budget_s and per_round:
+        cfg.rounds = max(1, min(cfg.rounds, int((cfg.time_budget_s - curve) // per_round)))
+    for i, (group, gcfg) in enumerate(groups):  # the sweep's copies take the final rounds
+        groups[i] = (group, replace(gcfg, rounds=cfg.rounds, time_budget_s=cfg.time_budget_s))
+    return Plan(cfg, names, ns, groups, records, curve + per_round * cfg.rounds, per_round,
+                placement)
+
+
+def cost_model_of(curve: list, nmax: int, records: list[dict], cfg: Config,
+                  machine: dict, interconnect: str | None,
+                  extra: dict[str, float]) -> dict | None:
+    """The cost model the results carry, or None without an N = 1 step time.
+
+    Fitted to this machine's all-reduce curve when there was one (``source: measured``);
+    on one device (or when the fit fails) a projection onto a named interconnect
+    (``source: projection``): ``interconnect``, else the likely one of these GPUs
+    (:func:`benchmarks.costmodel.default_interconnect`). ``predicted_speedup`` is the
+    model's speedup at N = 2, 4, 8 under the run's scaling.
+    """
+    one = next((r for r in records if r["status"] == "ok" and r["nprocs"] == 1 and
+                r.get("sweep") is None and "step_s" in r and
+                r["method"] in (CONTROL, "ddp_spawn", "single")), None)
+    if one is None:
+        return None
+    model = None if interconnect else fit_cost_model(curve, nmax)
+    cm: dict = {"scaling": "strong" if cfg.strong else "weak", "compute_s": one["step_s"],
+                "compute_from": one["method"], "grad_bytes": grad_bytes(cfg.model)}
+    if model is not None:
+        cm.update(source="measured", fit_nprocs=nmax)
+    else:
+        name = interconnect or default_interconnect(machine.get("cuda_devices") or [])
+        model = RingModel.preset(name)
+        why = ("chosen with --interconnect" if interconnect else
+               "one device: no all-reduce to time" if nmax < 2 else
+               "the all-reduce curve could not be fitted")
+        cm.update(source="projection", preset=name, preset_label=PRESETS[name].label,
+                  fit_nprocs=None, why=why)
+    cm.update(alpha_s=model.alpha_s, bandwidth_Bps=model.bandwidth_Bps, projections=extra)
+    cm["predicted_speedup"] = {str(n): v for n, v in zip(
+        (2, 4, 8), predicted_speedups(cm, (2, 4, 8)))}
+    return cm
+
+
+def predicted_speedups(cm: dict, ns, bandwidth_Bps: float | None = None,
+                       alpha_s: float | None = None) -> list[float]:
+    """The cost model's speedup at each N of ``ns``, under the scaling it was measured with
+    (weak: compute per rank fixed; strong: the global batch split N ways). ``bandwidth_Bps``
+    and ``alpha_s`` replace the model's, to project onto another interconnect."""
+    model = RingModel(cm["alpha_s"] if alpha_s is None else alpha_s,
+                      cm["bandwidth_Bps"] if bandwidth_Bps is None else bandwidth_Bps)
+    strong = cm.get("scaling") == "strong"
+    return [model.speedup(n, cm["compute_s"], cm["grad_bytes"], strong=strong) for n in ns]
+
+
 def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
@@ -965,84 +1305,35 @@ def main(argv: list[str] | None = None) -> int:
             req = f" (requires {', '.join(m.requires)})" if m.requires else ""
             print(f"{m.name:<26}{m.description}{req}")
         return 0
-    cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model,
-                 pin=not args.no_pin)
-    if args.quick:
-        cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
-        cfg.repeat_budget_s = 1.5
-        cfg.batch_size = 128
-        cfg.sweep_batches = [64, 512]
-        cfg.allreduce_sizes = [2**k for k in range(12, 23, 2)]
-    for key in ("batch_size", "steps", "repeats", "warmup", "rounds"):
-        if getattr(args, key) is not None:
-            if getattr(args, key) < (0 if key == "warmup" else 1):
-                print(f"error: --{key.replace('_', '-')} must be positive", file=sys.stderr)
-                return 2
-            setattr(cfg, key, getattr(args, key))
-    if args.repeat_budget is not None:
-        if not args.repeat_budget >= 0:
-            print("error: --repeat-budget is seconds, 0 or more", file=sys.stderr)
-            return 2
-        cfg.repeat_budget_s = args.repeat_budget
-    if args.timeout:
-        cfg.timeout = args.timeout
-    if args.control_floor is not None:
-        if not 0 < args.control_floor <= 1:
-            print("error: --control-floor is an efficiency between 0 and 1", file=sys.stderr)
-            return 2
-        cfg.control_floor = args.control_floor
-    names = parse_list(args.methods) or list(methods)
-    unknown = [n for n in names if n not in methods]
-    if unknown:
-        print(f"error: unknown method(s) {', '.join(unknown)}; known: {', '.join(methods)}",
-              file=sys.stderr)
-        return 2
     try:
-        ns = parse_list(args.nprocs, int) or default_nprocs()
-    except ValueError:
-        print(f"error: --nprocs takes integers like 1,2,4, got {args.nprocs!r}", file=sys.stderr)
+        plan = plan_run(args, methods)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    if any(n < 1 for n in ns):
-        print("error: every N in --nprocs must be at least 1", file=sys.stderr)
-        return 2
-    ns = sorted(set(ns))
-    if max(ns) > 1 and CONTROL not in names and not args.no_control and CONTROL in methods:
-        names.insert(0, CONTROL)  # the control runs in the same rounds as everything else
+    cfg, names, ns, groups, records = plan.cfg, plan.names, plan.ns, plan.groups, plan.records
     from dpt.dist import cpu_budget
 
-    if not torch.cuda.is_available() and max(ns) * cfg.threads_per_rank > cpu_budget():
+    if plan.placement[1] == "cpu" and max(ns) * cfg.threads_per_rank > cpu_budget():
         print(f"warning: {max(ns)} ranks x {cfg.threads_per_rank} threads exceeds the "
               f"{cpu_budget()} cores: those runs are oversubscribed", file=sys.stderr)
 
     from tqdm.auto import tqdm
 
-    # Every (method, N) is a record; a round launches each once, N=1 and N=k back to back,
-    # the order flipped every other round, so slow drifts of the machine hit both alike, and
-    # the methods shuffled anew each round (round_schedule).
-    records, groups = [], []
-    for name in names:
-        group = [new_record(name, n, cfg, methods) for n in ns]
-        records += group
-        groups.append((group, cfg))
-    if not args.no_sweep and args.sweep_method in methods and not args.methods and max(ns) > 1:
-        for b in cfg.sweep_batches:
-            group = [new_record(args.sweep_method, n, cfg, methods, sweep=b)
-                     for n in sorted({1, max(ns)})]
-            records += group
-            groups.append((group, replace(cfg, batch_size=b)))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    machine = machine_info(cfg.threads_per_rank)
+    machine = machine_info(cfg.threads_per_rank, max(ns))
     print(f"benchmark on {machine['label']}: methods {', '.join(names)}; N in {ns}; "
           f"{cfg.rounds} interleaved round(s)", flush=True)
+    print(plan.text(), flush=True)
     runnable = sum(r["status"] == "ok" for r in records)
     bar = tqdm(total=runnable * cfg.rounds + (1 if max(ns) > 1 else 0), unit="run",
                dynamic_ncols=True)
     curve = []
+    budget = TimeBudget(cfg.time_budget_s, clock=_clock)
     started = time.monotonic()
     if max(ns) > 1:
         bar.set_description(f"all-reduce curve N={max(ns)}")
         try:
-            from dpt.testing import run_distributed
+            from dpt.ranks import run_distributed
 
             curve = run_distributed(allreduce_curve, world_size=max(ns),
                                     args=(cfg.allreduce_sizes,), timeout=cfg.timeout,
@@ -1050,7 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - the sweep goes on without a cost model
             tqdm.write(f"all-reduce curve failed: {exc}")
         bar.update()
-    from dpt.testing import restart_fork_server
+    from dpt.ranks import restart_fork_server
 
     for rnd in range(cfg.rounds):
         if cfg.new_fork_server_each_round:
@@ -1063,10 +1354,19 @@ def main(argv: list[str] | None = None) -> int:
             for rec in (group[::-1] if flip else group):
                 if rec["status"] != "ok":
                     continue
+                launcher = methods[rec["method"]].launcher
+                kind = (launcher, rec["nprocs"])
+                estimate = launch_estimate_s(launcher, gcfg)
+                if not budget.allows(kind, estimate):
+                    rec["budget_cut"] = True
+                    bar.update()
+                    continue
                 tag = f" batch={rec['sweep']}" if "sweep" in rec else ""
                 bar.set_description(f"round {rnd + 1}/{cfg.rounds} {rec['method']}{tag} "
                                     f"N={rec['nprocs']}")
+                t0 = _clock()
                 res = launch(rec["method"], rec["nprocs"], gcfg, methods, rnd)
+                budget.spent(kind, estimate, _clock() - t0)
                 add_round(rec, res)
                 if res["status"] == "ok":
                     msg = (f"{rec['method'] + tag:<28} N={rec['nprocs']} round {rnd + 1}: "
@@ -1079,9 +1379,19 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
     bar.close()
     for rec in records:
+        cut = rec.pop("budget_cut", False)
         if rec["status"] == "ok" and not rec["rounds"]:
-            rec.update(status="failed", error="no round ran")
+            rec.update(status="skipped" if cut else "failed",
+                       error=(f"not run: the time budget of {cfg.time_budget_s:.0f} s was "
+                              "spent (--time-budget)") if cut else "no round ran")
+        elif cut:
+            rec.setdefault("notes", []).append(
+                f"{len(rec['rounds'])} of {cfg.rounds} rounds: the time budget of "
+                f"{cfg.time_budget_s:.0f} s was spent")
         finish_record(rec)
+    if budget.refused:
+        print(f"the time budget ({cfg.time_budget_s:.0f} s) was spent: {budget.refused} "
+              "launch(es) not run", file=sys.stderr)
     add_speedups(records)
     for r in records:  # the batch sweep's speedup under its old name too
         if r.get("sweep") is not None and r.get("speedup") is not None and r["nprocs"] > 1:
@@ -1090,21 +1400,16 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"stamp": stamp, "machine": machine,
               "config": {**asdict(cfg), "scaling": "strong" if cfg.strong else "weak",
-                         "methods": names, "nprocs": ns, "quick": args.quick},
+                         "methods": names, "nprocs": ns, "quick": args.quick,
+                         "planned_s": round(plan.planned_s, 1)},
               "wall_s": round(time.monotonic() - started, 1),
               "allreduce_curve": curve, "records": records,
               "ratios": throughput_ratios(records, RATIO_PAIRS), "verdict": verdict}
-    model = fit_cost_model(curve, max(ns))
-    one = next((r for r in records if r["status"] == "ok" and r["nprocs"] == 1 and
-                r.get("sweep") is None and "step_s" in r and
-                r["method"] in (CONTROL, "ddp_spawn", "single")), None)
-    if model and one:
-        projections = {f"{g:g} GB/s": g for g in args.project_bandwidth}
-        projections.update({name: INTERCONNECTS[name] for name in args.project})
-        result["cost_model"] = {"alpha_s": model.alpha_s, "bandwidth_Bps": model.bandwidth_Bps,
-                                "fit_nprocs": max(ns), "compute_s": one["step_s"],
-                                "compute_from": one["method"],
-                                "grad_bytes": grad_bytes(cfg.model), "projections": projections}
+    extra = {f"{g:g} GB/s": g for g in args.project_bandwidth}
+    extra.update({name: INTERCONNECTS[name] for name in args.project})
+    cm = cost_model_of(curve, max(ns), records, cfg, machine, args.interconnect, extra)
+    if cm:
+        result["cost_model"] = cm
 
     run_dir = args.out / stamp
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -38,3 +38,12 @@ def slow_step(ctx):
         return 0.0
 
     return step
+
+
+@method("fast_step", "a step of about 1 ms, as a GPU step takes (test only)")
+def fast_step(ctx):
+    def step():
+        time.sleep(0.001)
+        return 0.0
+
+    return step

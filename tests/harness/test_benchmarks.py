@@ -99,8 +99,11 @@ def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_rank(tmp_path):
+    # --min-repeat 0: the floor sizes each repeat from the measured step time, so two methods
+    # would train different numbers of steps and their final losses could not be compared.
     proc = _bench(tmp_path, "--methods", "ddp_torchrun,lightning_ddp,ddp_spawn,broken_torchrun",
-                  "--nprocs", "2", "--timeout", "120", "--rounds", "1", "--no-control")
+                  "--nprocs", "2", "--timeout", "120", "--rounds", "1", "--no-control",
+                  "--min-repeat", "0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = {r["method"]: r for r in _latest(tmp_path)["records"]}
     for name in ("ddp_torchrun", "lightning_ddp", "ddp_spawn"):
@@ -269,7 +272,7 @@ def test_each_round_launches_every_method_once_in_a_new_order_and_flips_n():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs sched_setaffinity and 2 cores")
 def test_each_rank_and_every_thread_it_has_are_pinned_to_a_core_of_its_own():
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
     from tests.harness import rank_fns
 
     ranks = run_distributed(rank_fns.pin_and_report, world_size=2, args=(1,), echo=False)
@@ -287,7 +290,7 @@ def test_each_rank_and_every_thread_it_has_are_pinned_to_a_core_of_its_own():
 
 @pytest.mark.timeout(120)
 def test_the_no_buffer_broadcast_method_turns_off_ddps_per_forward_broadcast_without_a_warning():
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
     from tests.harness import rank_fns
 
     plain = run_distributed(rank_fns.buffer_after_forward, world_size=2, args=(False,),
@@ -479,7 +482,7 @@ Root Cause (first observed failure):
 
 def test_a_torchrun_failure_is_named_by_its_root_cause_not_a_line_of_equals_signs(tmp_path):
     from benchmarks.run import torchrun_results
-    from dpt.testing import RankFailure
+    from dpt.ranks import RankFailure
 
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1}))  # rank 0 wrote nothing
     with pytest.raises(RankFailure) as info:
@@ -580,3 +583,296 @@ def test_pooling_runs_takes_every_round_of_every_run_and_leaves_busy_ones_out(tm
     with pytest.raises(SystemExit) as bad:
         main([str(tmp_path / "a")])
     assert bad.value.code == 2 and "comparing takes two runs" in capsys.readouterr().err
+
+
+# ------------------------------------------- GPU machines, faked on the CPU (monkeypatch)
+
+
+def _fake_gpus(monkeypatch, count: int, backend: str | None = None, share: bool = False):
+    """This process sees ``count`` CUDA GPUs; DPT_TEST_BACKEND and DPT_SHARE_GPU as given."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if backend is None:
+        monkeypatch.delenv("DPT_TEST_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("DPT_TEST_BACKEND", backend)
+    if share:
+        monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    else:
+        monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
+
+
+def test_the_suites_gloo_runs_every_n_on_the_cpu_of_a_one_gpu_machine(monkeypatch):
+    from benchmarks.registry import load_all
+    from benchmarks.run import skip_reason
+
+    methods = load_all()
+    _fake_gpus(monkeypatch, 1, backend="gloo")  # what tests/conftest.py sets, on one GPU
+    assert skip_reason(methods["ddp_spawn"], 2) is None, (
+        "the suite forces gloo on the CPU, yet N=2 is refused for the GPU count: "
+        + str(skip_reason(methods["ddp_spawn"], 2)))
+    from benchmarks.run import default_nprocs, rank_placement
+    from dpt.dist import cpu_budget
+
+    assert rank_placement(2) == ("gloo", "cpu")
+    assert len(default_nprocs()) == cpu_budget().bit_length()  # 1, 2, 4, ... up to the cores
+    # A CUDA-only method is skipped: its ranks would be on the CPU.
+    assert "needs a CUDA GPU" in skip_reason(methods["amp_fp16"], 1)
+    # Without the suite's override, NCCL takes one rank per GPU: N=2 is refused in one line.
+    _fake_gpus(monkeypatch, 1)
+    assert rank_placement(2) == ("nccl", "cuda")
+    assert "N=2 exceeds the 1 GPUs" in skip_reason(methods["ddp_spawn"], 2)
+    assert skip_reason(methods["ddp_spawn"], 1) is None and default_nprocs() == [1]
+
+
+def test_ranks_sharing_one_gpu_run_at_n_2_and_4_with_gloo_on_it(monkeypatch):
+    from benchmarks.registry import load_all
+    from benchmarks.run import skip_reason
+
+    methods = load_all()
+    _fake_gpus(monkeypatch, 1, share=True)
+    assert skip_reason(methods["ddp_spawn"], 4) is None, skip_reason(methods["ddp_spawn"], 4)
+    from benchmarks.run import default_nprocs, rank_placement
+
+    assert rank_placement(4) == ("gloo", "cuda")
+    assert default_nprocs() == [1, 2, 4] and default_nprocs(quick=True) == [1, 4]
+    assert skip_reason(methods["amp_fp16"], 2) is None  # the ranks are on the GPU
+    assert "needs 2 CUDA GPUs" in skip_reason(methods["dp"], 1)
+    _fake_gpus(monkeypatch, 1, backend="gloo", share=True)  # the suite's gloo, GPU shared
+    assert rank_placement(2) == ("gloo", "cuda")
+
+
+def _run_worker(monkeypatch, tmp_path) -> tuple[dict, list]:
+    """benchmarks.torchrun_worker in this process as rank 0 of 2, every step spied on."""
+    import torch
+
+    import benchmarks.run
+    import dpt.dist
+    from benchmarks import torchrun_worker
+
+    (tmp_path / "config.json").write_text(json.dumps({"threads_per_rank": 1, "timeout": 60}))
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    joined, events = {}, []
+    result_file = tmp_path / "rank0.json"
+
+    def setup(*args, **kwargs):
+        joined.update(kwargs)
+        events.append("setup")
+        return torch.device("cpu")
+
+    def bench_rank(rank, world_size, name, cfg):
+        events.append("bench")
+        return {"rank": rank}
+
+    def exit_(code):
+        events.append(f"exit {code}")
+        raise SystemExit(code)
+
+    monkeypatch.setattr(dpt.dist, "setup", setup)
+    monkeypatch.setattr(dpt.dist, "barrier", lambda: events.append(
+        "barrier, result written" if result_file.exists() else "barrier, no result yet"))
+    monkeypatch.setattr(dpt.dist, "cleanup", lambda: events.append("destroy"))
+    monkeypatch.setattr(benchmarks.run, "bench_rank", bench_rank)
+    monkeypatch.setattr(os, "_exit", exit_)
+    try:
+        torchrun_worker.main(["independent", str(tmp_path)])
+    except SystemExit:
+        pass
+    return joined, events
+
+
+def test_the_torchrun_worker_joins_where_the_spawned_ranks_do_then_leaves_in_order(
+        monkeypatch, tmp_path):
+    from dpt.device import backend_for, pick_device
+
+    _fake_gpus(monkeypatch, 2, backend="gloo")
+    joined, events = _run_worker(monkeypatch, tmp_path)
+    device = pick_device(joined.get("device", "auto"), distributed=True)
+    assert device.type == "cpu", (
+        f"the torchrun worker joins on {device} ({backend_for(device)}) while "
+        "DPT_TEST_BACKEND=gloo puts the spawned ranks (ddp_spawn) on the CPU")
+    # Result on disk, a barrier (no peer still talking), the group destroyed, then os._exit
+    # (no interpreter teardown with gloo's threads alive).
+    assert events == ["setup", "bench", "barrier, result written", "destroy", "exit 0"], events
+    # Ranks sharing a GPU: the worker joins on it, with gloo.
+    _fake_gpus(monkeypatch, 1, share=True)
+    joined, _ = _run_worker(monkeypatch, tmp_path)
+    assert joined["device"] == "cuda" and backend_for(pick_device("cuda")) == "gloo"
+
+
+def test_a_fast_step_is_repeated_until_a_repeat_times_enough_work(monkeypatch):
+    import statistics
+    from dataclasses import asdict
+
+    from benchmarks.run import Config, bench_rank, steps_within_budget
+
+    monkeypatch.setenv("DPT_BENCH_EXTRA", "tests.harness.bench_methods")
+    # A GPU step of about 1 ms: 6 steps time 6 ms, which the clock's noise swamps.
+    cfg = asdict(Config(steps=6, repeats=2, warmup=3, pin=False))
+    out = bench_rank(0, 1, "fast_step", cfg)
+    per_repeat = out["steps"] * statistics.median(out["step_times"])
+    assert per_repeat >= 0.05, (
+        f"a repeat timed only {1000 * per_repeat:.1f} ms of work ({out['steps']} steps)")
+    assert steps_within_budget(0.0015, 6, 3.0, floor_s=0.1) == 67
+    # A CPU step (tens of ms and more) keeps the steps asked for, and the cut of a slow one.
+    assert steps_within_budget(0.19, 6, 3.0, floor_s=0.1) == 6
+    assert steps_within_budget(1.3, 6, 3.0, floor_s=0.1) == 2
+    assert steps_within_budget(0.001, 6, 0.05, floor_s=0.1) == 50  # never past the budget
+
+
+def test_one_device_projects_n_gpus_onto_a_named_interconnect_and_says_so(tmp_path):
+    # One device (one GPU, or N=1 only): no all-reduce to time, as `make benchmark` on Colab.
+    proc = _bench(tmp_path, "--methods", "ddp_spawn", "--nprocs", "1", "--rounds", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = _latest(tmp_path)
+    cm = result.get("cost_model")
+    assert cm, "no cost model in the results of a one-device run"
+    from benchmarks.costmodel import PRESETS, default_interconnect
+    from benchmarks.run import Config, cost_model_of
+
+    preset = default_interconnect(result["machine"]["cuda_devices"])
+    assert cm["source"] == "projection" and cm["preset"] == preset
+    link = PRESETS[preset]
+    assert cm["bandwidth_Bps"] == link.bandwidth_GBps * 1e9
+    assert cm["alpha_s"] == pytest.approx(link.latency_us * 1e-6)
+    c, b, a, bw = cm["compute_s"], cm["grad_bytes"], cm["alpha_s"], cm["bandwidth_Bps"]
+    for n in (2, 4, 8):  # weak scaling: N * c / (c + alpha + 2 (N-1)/N * bytes / bandwidth)
+        want = n * c / (c + a + 2 * (n - 1) / n * b / bw)
+        assert cm["predicted_speedup"][str(n)] == pytest.approx(want)
+    summary = (tmp_path / "latest" / "summary.md").read_text()
+    assert "PROJECTED, not measured" in summary and link.label in summary
+    # --interconnect chooses the preset, even where a curve was measured
+    chosen = cost_model_of([(4096, 1e-4), (2**20, 1e-3)], 2, result["records"], Config(),
+                           result["machine"], "nvlink3", {})
+    assert chosen["source"] == "projection" and chosen["preset"] == "nvlink3"
+    assert chosen["bandwidth_Bps"] == PRESETS["nvlink3"].bandwidth_GBps * 1e9
+    measured = cost_model_of([(4096, 1e-4), (2**20, 1e-3)], 2, result["records"], Config(),
+                             result["machine"], None, {})
+    assert measured["source"] == "measured" and measured["fit_nprocs"] == 2
+
+
+def test_the_default_projection_follows_the_gpus_name():
+    from benchmarks.costmodel import default_interconnect
+
+    assert default_interconnect(["NVIDIA H100 80GB HBM3"]) == "nvlink4"
+    assert default_interconnect(["NVIDIA A100-SXM4-40GB"]) == "nvlink3"
+    assert default_interconnect(["NVIDIA H100 PCIe"]) == "pcie5x16"
+    assert default_interconnect(["Tesla T4"]) == default_interconnect([]) == "pcie4x16"
+
+
+def test_the_strong_scaling_cost_model_splits_the_batch_and_the_plot_draws_it(
+        tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from benchmarks.run import make_plots
+
+    drawn = {}
+    plot = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        if len(args) >= 2:
+            drawn[kwargs.get("label")] = list(args[1])
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    recs = [_rec("ddp_spawn", n, [100.0 * n, 98.0 * n, 101.0 * n]) for n in (1, 2)]
+    for r in recs:
+        r.update(peak_mem_mb=100.0, mem_kind="process peak RSS", per_rank_batch=64 // r["nprocs"])
+    add_speedups(recs)
+    # alpha 1 ms, 1 GB/s, 1 MB of gradients, 10 ms of compute for the whole global batch
+    cm = {"alpha_s": 1e-3, "bandwidth_Bps": 1e9, "compute_s": 10e-3, "grad_bytes": 1e6,
+          "fit_nprocs": 2, "compute_from": "ddp_spawn", "projections": {}}
+    result = {"machine": {"label": "test"}, "config": {"rounds": 3, "scaling": "strong"},
+              "records": recs, "verdict": judge(recs), "cost_model": cm}
+    ns = (1, 2, 4, 8)
+    make_plots(result, tmp_path, project_ns=ns)
+    (line,) = [y for label, y in drawn.items() if label and label.startswith("predicted, this")]
+    # strong: each rank computes 10/N ms; speedup = 10 / (10/N + all-reduce(N)) (ms)
+    want = [10 / (10 / n + (0 if n == 1 else 1 + 2 * (n - 1) / n * 1)) for n in ns]
+    assert line == pytest.approx(want), f"plotted {line}, strong scaling gives {want}"
+    # at N=4: 10/4 + 1 + 1.5 = 5 ms a step for the same global batch: 2x
+    assert RingModel(1e-3, 1e9).speedup(4, 10e-3, 1e6, strong=True) == pytest.approx(2.0)
+
+
+class _VirtualClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _fake_launch(clock, spawn_s, torchrun_s):
+    """A launch that costs ``spawn_s``/``torchrun_s`` of virtual time and returns a result
+    shaped as benchmarks.run.launch's."""
+    from benchmarks.registry import load_all
+
+    methods = load_all()
+
+    def launch(name, n, cfg, methods_=None, round_no=0):
+        cost = torchrun_s if methods[name].launcher == "torchrun" else spawn_s
+        clock.t += cost
+        step = 0.002 * (1.05 if n > 1 else 1.0)
+        return {"round": round_no, "status": "ok", "wall_s": cost, "per_rank_batch": 128,
+                "step_times": [step], "timed_steps": [50] * n,
+                "samples_per_s": 128 * n / step, "peak_mem_mb": 100.0,
+                "mem_kind": "cuda max_memory_allocated", "peak_mem_mb_devices": {},
+                "final_loss": 2.3, "threads": 1, "cores": [None] * n,
+                "load": {"wall_s": cost, "foreign_cores": 0.0, "steal": 0.0, "load1": 0.1,
+                         "cpus": 16}}
+
+    return launch
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("slowdown", [1, 3])
+def test_quick_on_an_8_gpu_machine_plans_and_keeps_under_5_minutes(
+        monkeypatch, tmp_path, capsys, slowdown):
+    """QUICK=1 runs in gpu_check under a 900 s limit; on 8 GPUs it must end within 5 minutes,
+    even when every launch costs 3x what was planned."""
+    import benchmarks.run as run
+    import dpt.ranks
+
+    _fake_gpus(monkeypatch, 8)
+    clock = _VirtualClock()
+    spawn_s, torchrun_s = 5.0 * slowdown, 12.0 * slowdown  # a GPU launch, start-up included
+
+    def curve(fn, world_size, args=(), **kw):
+        clock.t += 10.0 * slowdown
+        return [[(s, 2e-5 + s / 100e9) for s in args[0]]] * world_size
+
+    monkeypatch.setattr(run, "_clock", clock, raising=False)
+    monkeypatch.setattr(run, "launch", _fake_launch(clock, spawn_s, torchrun_s))
+    monkeypatch.setattr(run, "machine_info", lambda *a, **k: {
+        "label": "8 GPU(s), NCCL (faked)", "cpu": "test", "torch": "test", "cores": 16,
+        "cuda_devices": ["NVIDIA H100 80GB HBM3"] * 8})
+    monkeypatch.setattr(dpt.ranks, "run_distributed", curve)
+    monkeypatch.setattr(dpt.ranks, "restart_fork_server", lambda: True)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    # every method the lessons register (not this suite's own, which other tests load)
+    real = [m.name for m in run.load_all().values()
+            if m.factory.__module__.startswith("benchmarks.")]
+    start = clock.t
+    assert run.main(["--quick", "--out", str(tmp_path), "--methods", ",".join(real)]) == 0
+    took = clock.t - start
+    out = capsys.readouterr()
+    assert took <= 300, f"--quick on 8 GPUs took {took:.0f} s of launches"
+    result = _latest(tmp_path)
+    assert result["config"]["nprocs"] == [1, 8]
+    assert "plan:" in out.out and "min" in out.out.split("plan:")[1].splitlines()[0]
+    assert result["config"]["planned_s"] <= 300
+    recs = result["records"]
+    assert not [r for r in recs if r["status"] in ("failed", "timeout")]
+    if slowdown == 1:  # as planned: every method that can run here ran
+        assert all(r["status"] == "ok" or "time budget" not in r.get("error", "")
+                   for r in recs), [r["error"] for r in recs if r["status"] != "ok"]
+    else:  # three times slower: launches stop at the budget, and the records say why
+        assert any("time budget" in r.get("error", "") for r in recs)
+        assert "time budget" in out.err
+    assert result["cost_model"]["source"] == "measured"
