@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:  # `python tools/grade_class.py` as well as `-m to
     sys.path.insert(0, str(REPO))
 
 from tests.scoring import new_entry, points_for, record, task_state  # noqa: E402
+from tools import carry_answers  # noqa: E402
 
 LESSON_RE = re.compile(r"^(\d\d)_\w+$")
 # Never copied from a submission: anything pytest or Python would load as configuration.
@@ -340,9 +341,12 @@ class Sandbox:
             for f in filenames:
                 os.chown(os.path.join(dirpath, f), uid, uid, follow_symlinks=False)
 
-    def run(self, sub: Submission, lesson: str, deselect: list[str], uid: int | None) -> Attempt:
-        """One pytest run of one lesson of one submission, in a fresh temporary copy."""
-        args, course = self.args, self.course
+    def _copy(self, sub: Submission, lesson: str, uid: int | None) -> tuple[Path, Path, Path]:
+        """A fresh temporary copy: the course's tests/, dpt/, pyproject.toml and the
+        submission's lesson folders; HOME, TMPDIR, the caches and out/ owned by ``uid``."""
+        course = self.course
+        if _STOPPING.is_set():
+            raise Stopped(_STOP_SIGNAL[0])
         tmp = Path(tempfile.mkdtemp(prefix=f"dpt-grade-{sub.name[:20]}-{lesson}-"))
         try:
             work = tmp / "course"
@@ -354,11 +358,14 @@ class Sandbox:
             target = work / "submission"
             budget = [MAX_SUBMISSION_BYTES]
             for name, folder in sub.lessons.items():
-                copy_lesson_tree(folder, target / course_lesson_name(course, name, folder),
-                                 budget)
+                copy_lesson_tree(folder, target / course_lesson_name(course, name, folder), budget)
             target.mkdir(exist_ok=True)
-            for d in ("home", "tmp", "out"):
-                (tmp / d).mkdir()
+            # As `make grade` does: the student's earlier answers go into the copies that later
+            # lessons carry (a copy the student edited by hand is kept). Text only: nothing of
+            # the submission runs here.
+            carry_answers.carry_tree(target)
+            for d in ("home", "tmp", "out", *CACHE_DIRS.values()):
+                (tmp / d).mkdir(parents=True, exist_ok=True)
             # The code may write in its copy of the lessons, HOME, TMPDIR and the work folder,
             # but (as another user) neither change nor remove the course's tests/ and dpt/:
             # the work folder is sticky, like /tmp.
@@ -366,58 +373,257 @@ class Sandbox:
             os.chmod(work, 0o1777)
             for d in (target, tmp / "home", tmp / "tmp", tmp / "out"):
                 self._own(d, uid)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp, work, target
+
+    def _discard(self, tmp: Path) -> None:
+        if self.args.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _launch(self, cmd: list[str], tmp: Path, work: Path, uid: int | None,
+                timeout: float, result_path: Path | None) -> tuple[int | None, float, bool]:
+        """Run ``cmd`` in the sandbox: (exit status or None at the limit, seconds, whether the
+        scores were written and the process then did not end). Its process group is killed
+        when it ends, and by stop_sandboxes() when the grader is stopped."""
+        args = self.args
+        sandbox = [sys.executable, str(REPO / "tools" / "sandbox.py"),
+                   "--mem", str(int(args.mem_gb * 2**30)), "--cwd", str(work)]
+        if self.iso.net:
+            sandbox += ["--net", "none"]
+        if self.iso.pidns:
+            sandbox += ["--pidns"]
+        for path in self.iso.read_only:
+            sandbox += ["--ro", path]
+        if uid is not None:
+            sandbox += ["--uid", str(uid), "--nproc", str(args.nproc)]
+        elif not self.iso.root:
+            sandbox += ["--nproc", str(_user_process_count() + args.nproc)]
+        env = sandbox_env(tmp, work, self.course.root, self.iso.net)
+        if _STOPPING.is_set():
+            raise Stopped(_STOP_SIGNAL[0])
+        start = time.monotonic()
+        with open(tmp / "stderr.txt", "ab") as err:
+            proc = subprocess.Popen([*sandbox, "--", *cmd], cwd=work, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=err, start_new_session=True)
+        _LIVE[proc.pid] = proc
+        hung_after_result = False
+        try:
+            if _STOPPING.is_set():  # stopped while it started: stop_sandboxes may have missed it
+                raise Stopped(_STOP_SIGNAL[0])
+            rc = _wait(proc, start + timeout, result_path)
+            hung_after_result = rc is None and result_path is not None and result_path.exists()
+        finally:
+            _kill_group(proc)  # the whole process group; the PID namespace takes the rest
+            proc.wait()
+            _LIVE.pop(proc.pid, None)
+        return rc, time.monotonic() - start, hung_after_result
+
+    def run(self, sub: Submission, lesson: str, deselect: list[str], uid: int | None) -> Attempt:
+        """One pytest run of one lesson of one submission, in a fresh temporary copy."""
+        args, course = self.args, self.course
+        tmp, work, target = self._copy(sub, lesson, uid)
+        try:
             result_path, log_path = tmp / "out" / "result.json", tmp / "out" / "journal.jsonl"
             cmd = [sys.executable, "-m", "pytest", course.test_dirs[lesson], "-q",
                    "--target", str(target), "--grade-json", str(result_path),
                    "--grade-log", str(log_path), *pytest_selection(args)]
             for nodeid in deselect:
                 cmd += ["--deselect", nodeid]
-            sandbox = [sys.executable, str(REPO / "tools" / "sandbox.py"),
-                       "--mem", str(int(args.mem_gb * 2**30)), "--cwd", str(work)]
-            if self.iso.net:
-                sandbox += ["--net", "none"]
-            if self.iso.pidns:
-                sandbox += ["--pidns"]
-            for path in self.iso.read_only:
-                sandbox += ["--ro", path]
-            if uid is not None:
-                sandbox += ["--uid", str(uid), "--nproc", str(args.nproc)]
-            elif not self.iso.root:
-                sandbox += ["--nproc", str(_user_process_count() + args.nproc)]
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp / "home"),
-                   "TMPDIR": str(tmp / "tmp"), "PYTHONPATH": str(work),
-                   "DPT_DATA": str(course.root / "data"), "DPT_OFFLINE": "1",
-                   "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1",
-                   "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
-                   "MPLBACKEND": "Agg", "LANG": "C.UTF-8", "CUDA_VISIBLE_DEVICES": ""}
-            if self.iso.net:
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-            start = time.monotonic()
-            with open(tmp / "stderr.txt", "wb") as err:
-                proc = subprocess.Popen([*sandbox, "--", *cmd], cwd=work, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=err, start_new_session=True)
-            hung_after_result = False
-            try:
-                rc = _wait(proc, start + args.lesson_timeout, result_path)
-                hung_after_result = rc is None and result_path.exists()
-            finally:
-                try:  # the whole process group; the PID namespace takes the rest
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-            seconds = time.monotonic() - start
+            rc, seconds, hung_after_result = self._launch(cmd, tmp, work, uid,
+                                                          args.lesson_timeout, result_path)
             return Attempt(rc, seconds, _read_journal(log_path), _read_json(result_path),
                            _tail(tmp / "stderr.txt"), hung_after_result)
         finally:
-            if self.args.keep:
-                print(f"kept {tmp}", file=sys.stderr)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp)
+
+    def probe_imports(self, sub: Submission, lesson: str, uid: int | None) -> ImportProbe:
+        """Import each module of the lesson once, in the sandbox, each with a short limit: a
+        module that loops or ends the process at import costs its lesson seconds, not every
+        test's timeout in turn. Returns why the lesson cannot be graded ("" when it can)."""
+        folder = course_lesson_name(self.course, lesson, sub.lessons[lesson])
+        limit = import_limit(self.args.import_timeout)
+        warm = WARM_FACTOR * limit
+        tmp, work, target = self._copy(sub, lesson, uid)
+        try:
+            modules = sorted(p.stem for p in (target / folder).glob("*.py")
+                             if p.name not in PROBE_SKIP and p.stem.isidentifier())
+            log, hang = tmp / "out" / "probe.jsonl", tmp / "out" / "hang.txt"
+            cmd = [sys.executable, "-c", PROBE_CODE, str(target / folder), str(log), str(hang),
+                   f"{limit:.0f}", f"{warm:.0f}", *modules]
+            rc, seconds, _ = self._launch(cmd, tmp, work, uid,
+                                          warm + limit * (len(modules) + 1) + 30, None)
+            why = probe_verdict(rc, _read_journal(log), _tail(hang), limit)
+            return ImportProbe(why, seconds)
+        finally:
+            self._discard(tmp)
 
 
-def _wait(proc: subprocess.Popen, deadline: float, result_path: Path) -> int | None:
+@dataclass
+class ImportProbe:
+    problem: str  # "" when every module imported (or the probe could not tell)
+    seconds: float
+
+
+# Imported by the probe: every .py file of the lesson folder but these (a notebook's source).
+PROBE_SKIP = {"tutorial.py"}
+WARM_FACTOR = 6  # the third-party imports (torch, lightning) get this many module limits
+# Run in the sandbox: argv = lesson folder, log, hang file, limit, warm-up limit, modules.
+# First the third-party packages the lesson's files name (torch, lightning: slow to import,
+# never the student's code), then each module with faulthandler's watchdog, which prints where
+# a stuck import is and ends the process at the limit. One JSON line per step, to the log.
+PROBE_CODE = r'''
+import ast, faulthandler, importlib, json, os, sys, time
+folder, log, hang = sys.argv[1:4]
+limit, warm = float(sys.argv[4]), float(sys.argv[5])
+modules = sys.argv[6:]
+fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def say(**kw):
+    os.write(fd, (json.dumps(kw) + "\n").encode())
+target = os.path.dirname(folder)
+os.environ["DPT_TARGET"] = target
+lessons = sorted(os.path.join(target, d) for d in os.listdir(target) if d[:2].isdigit())
+own = set()
+for d in lessons:
+    if os.path.isdir(d):
+        sys.path.insert(0, d)
+        own |= {f[:-3] for f in os.listdir(d) if f.endswith(".py")}
+third = set()
+for m in modules:
+    try:
+        with open(os.path.join(folder, m + ".py"), "rb") as f:
+            tree = ast.parse(f.read())
+    except Exception:
+        continue
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            third |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            third.add(node.module.split(".")[0])
+out = open(hang, "w")
+faulthandler.dump_traceback_later(warm, exit=True, file=out)
+t0 = time.monotonic()
+for name in sorted(third - own - {"antigravity", "this"}):
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        pass
+faulthandler.cancel_dump_traceback_later()
+say(warm=round(time.monotonic() - t0, 2))
+for m in modules:
+    say(start=m)
+    faulthandler.dump_traceback_later(limit, exit=True, file=out)
+    t0 = time.monotonic()
+    try:
+        importlib.import_module(m)
+        error = ""
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    faulthandler.cancel_dump_traceback_later()
+    say(done=m, seconds=round(time.monotonic() - t0, 2), error=error)
+say(end=True)
+os._exit(0)
+'''
+
+
+def import_limit(base: float) -> float:
+    """The seconds one module's import may take: ``base`` on an idle machine, more when the
+    machine is loaded (the load average per core, 8 times at most)."""
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        load = 1.0
+    return base * min(8.0, max(1.0, load))
+
+
+def probe_verdict(rc: int | None, log: list[dict], hang: str, limit: float) -> str:
+    """Why the lesson's modules cannot be imported, from the probe's log; "" when they can or
+    when the probe could not tell (the sandbox failed, or the third-party imports were slow):
+    then the tests run as usual."""
+    if rc == 0 and any(ln.get("end") for ln in log):
+        return ""
+    done = {ln.get("done") for ln in log}
+    stuck = next((ln["start"] for ln in reversed(log) if isinstance(ln.get("start"), str)
+                  and ln["start"] not in done), None)
+    if stuck is None or rc in (95, 96):
+        return ""
+    frames = re.findall(r'File "([^"]*/submission/[^"]*)", line (\d+)', hang)
+    if hang.strip() or rc is None:
+        where = ""
+        if frames:
+            path, line = frames[0]  # faulthandler lists the innermost frame first
+            where = f" (stuck at {Path(path).name} line {line})"
+        return (f"importing {stuck}.py did not finish in {limit:.0f} s{where}: a loop at "
+                "import time?")
+    return (f"importing {stuck}.py ended the process ({_rc_text(rc)}): os._exit or a crash "
+            "at import time?")
+
+
+class Stopped(KeyboardInterrupt):
+    """The grader was stopped by a signal; every sandbox it started has been killed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+
+_LIVE: dict[int, subprocess.Popen] = {}  # the sandboxes running now, by pid
+_STOPPING = threading.Event()
+_STOP_SIGNAL = [signal.SIGTERM]  # the signal that stopped the grader
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_sandboxes(signum: int | None = None) -> int:
+    """Kill every sandbox's process group (their PID namespaces take the rest) and start no
+    new one. Safe in a signal handler: no lock is taken."""
+    if signum is not None:
+        _STOP_SIGNAL[0] = signum
+    _STOPPING.set()
+    live = list(_LIVE.values())
+    for proc in live:
+        _kill_group(proc)
+    return len(live)
+
+
+# Where the tools the lessons use keep their caches and settings (all inside the copy): torch's
+# compiler looks the user up to name its default cache folder, which fails for a uid without
+# a passwd entry, as the grader's uids are.
+CACHE_DIRS = {"XDG_CACHE_HOME": "home/.cache", "XDG_CONFIG_HOME": "home/.config",
+              "TORCHINDUCTOR_CACHE_DIR": "home/.cache/torchinductor",
+              "TRITON_CACHE_DIR": "home/.cache/triton", "MPLCONFIGDIR": "home/.config/matplotlib",
+              "TORCH_EXTENSIONS_DIR": "home/.cache/torch_extensions",
+              "CUDA_CACHE_PATH": "home/.cache/nv"}
+SANDBOX_USER = "student"
+
+
+def sandbox_env(tmp: Path, work: Path, course_root: Path, net_isolated: bool) -> dict[str, str]:
+    """The sandboxed command's whole environment: nothing of the grader's but PATH. It names
+    a user (getpass.getuser() reads LOGNAME, USER, LNAME, USERNAME before the passwd file, which
+    has no entry for the sandbox's uid) and a writable HOME and caches inside the copy."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp / "home"),
+           "TMPDIR": str(tmp / "tmp"), "PYTHONPATH": str(work),
+           "DPT_DATA": str(course_root / "data"), "DPT_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+           "MPLBACKEND": "Agg", "LANG": "C.UTF-8", "CUDA_VISIBLE_DEVICES": ""}
+    env.update({var: SANDBOX_USER for var in ("LOGNAME", "USER", "LNAME", "USERNAME")})
+    env.update({var: str(tmp / sub) for var, sub in CACHE_DIRS.items()})
+    if net_isolated:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def _wait(proc: subprocess.Popen, deadline: float, result_path: Path | None) -> int | None:
     """The exit status, or None at the deadline, or None once the scores have been written and
     the process has not ended within AFTER_RESULT_GRACE_S (left-over children it waits for)."""
     written_at = None
@@ -429,7 +635,7 @@ def _wait(proc: subprocess.Popen, deadline: float, result_path: Path) -> int | N
             return proc.wait(timeout=min(1.0, deadline - now))
         except subprocess.TimeoutExpired:
             pass
-        if written_at is None and result_path.exists():
+        if written_at is None and result_path is not None and result_path.exists():
             written_at = time.monotonic()
         if written_at is not None and time.monotonic() - written_at > AFTER_RESULT_GRACE_S:
             return None
@@ -507,7 +713,14 @@ def grade_lesson(sandbox: Sandbox, sub: Submission, lesson: str) -> LessonResult
         return _finish(tasks, reasons, [f"{lesson}: folder {folder}/ missing"], 0.0)
     uid = sandbox.uids.get()
     try:
+        probe = sandbox.probe_imports(sub, lesson, uid)
+        if probe.problem:  # its tests would each wait out their timeout, or die, in turn
+            tasks = {t: dict(new_entry(), failed=1, total=1) for t in course.tasks(lesson)}
+            return _finish(tasks, {t: probe.problem for t in tasks},
+                           [f"{lesson}: {probe.problem} (its tests were not run)"],
+                           probe.seconds)
         result = _grade_selection(sandbox, sub, lesson, uid, None)
+        result.seconds += probe.seconds
         if result.tampered:
             return result
         # A second chance for tasks that may have failed from an earlier task's leftovers.
@@ -759,6 +972,9 @@ def parse_args(argv=None):
     p.add_argument("--lesson-timeout", type=float, default=1200,
                    help="wall-clock seconds per lesson run (1200)")
     p.add_argument("--test-timeout", type=float, default=300, help="seconds per test (300)")
+    p.add_argument("--import-timeout", type=float, default=30,
+                   help="seconds to import one lesson module before any test runs (30; more "
+                        "on a loaded machine: times the load average per core, 8 at most)")
     p.add_argument("--mem-gb", type=float, default=8,
                    help="RLIMIT_AS per process in GiB (8; importing torch maps about 3.3)")
     p.add_argument("--nproc", type=int, default=512,
@@ -773,6 +989,8 @@ def parse_args(argv=None):
         p.exit(2, f"error: {args.submissions} is not a folder of submissions\n")
     if args.jobs < 1:
         p.exit(2, "error: --jobs must be at least 1\n")
+    if args.import_timeout <= 0:
+        p.exit(2, "error: --import-timeout must be more than 0 seconds\n")
     return args
 
 
@@ -801,7 +1019,8 @@ def grade_class(args) -> list[SubmissionResult]:
         bar = tqdm(total=len(units), unit="lesson", disable=args.no_progress,
                    desc=f"grading {len(subs)} submissions")
         lock = threading.Lock()
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        pool = ThreadPoolExecutor(max_workers=args.jobs)
+        try:
             futures = {}
             for s, n in units:
                 if s.problem:
@@ -816,6 +1035,11 @@ def grade_class(args) -> list[SubmissionResult]:
                     by_sub[s.name][n] = fut.result()
                     bar.set_postfix_str(f"{s.name} {n}")
                     bar.update()
+        except BaseException:  # stopped (a signal) or broken: no lesson may run on alone
+            stop_sandboxes()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         wall = time.monotonic() - start
     finally:
@@ -851,13 +1075,37 @@ def write_outputs(out: Path, course: Course, iso: Isolation, results, wall: floa
               f"{r.seconds:6.0f} s  {'; '.join(r.notes())[:150]}")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _on_stop_signal(signum, _frame):
+    """SIGTERM, SIGINT, SIGHUP: kill every sandbox now (each runs in its own session, so
+    a signal to the grader's group never reaches them), then unwind and clean up."""
+    stop_sandboxes(signum)
+    for sig in STOP_SIGNALS:  # a second signal while cleaning up: kill again, do not unwind
+        signal.signal(sig, lambda *_: stop_sandboxes())
+    raise Stopped(signum)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    previous = {}
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. SIGHUP under nohup
+            previous[sig] = signal.signal(sig, _on_stop_signal)
     try:
         grade_class(args)
     except GradeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        stop_sandboxes()
+        print(f"error: stopped by {signal.Signals(exc.signum).name}: every sandbox was "
+              "killed, nothing written", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

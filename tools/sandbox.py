@@ -13,13 +13,17 @@ What it sets up, each part only where the OS allows it (``--probe`` says which):
   kernel kills every process left in the namespace, even ones that left the process group.
 - ``--uid N`` (root only): the command runs as user N, which owns nothing in the course, so it
   can neither change the course checkout, the venv, the data nor the grader's files; and
-  RLIMIT_NPROC, which root ignores, then bounds the command's processes and threads.
+  RLIMIT_NPROC, which root ignores, then bounds the command's processes and threads. N needs
+  no passwd entry: LOGNAME, USER, LNAME and USERNAME name it when the environment does not
+  (``getpass.getuser()`` reads them first); give it a writable HOME.
 - ``--ro PATH`` (repeatable): PATH is read-only for the command (a bind mount in a new mount
   namespace): the course checkout, the venv and the data stay intact even without ``--uid``.
 - ``--mem`` (RLIMIT_AS per process), ``--nproc`` (RLIMIT_NPROC), no core files.
 
 It is a separate program started by ``subprocess`` (not a ``preexec_fn``), so the grader can
-start many from threads safely. Exit status: the command's, or 128+signal when it was killed.
+start many from threads safely. It dies with the thread that started it (``PR_SET_PDEATHSIG``;
+with ``--pidns`` its namespace's init too, which ends the namespace): a grader killed even by
+SIGKILL leaves no sandbox running. Exit status: the command's, or 128+signal when it was killed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import fcntl
 import json
 import os
 import resource
+import signal
 import socket
 import struct
 import sys
@@ -108,7 +113,20 @@ def loopback_up() -> None:
         fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
-def limit_and_exec(args) -> None:
+PR_SET_PDEATHSIG = 1
+IDENTITY_VARS = ("LOGNAME", "USER", "LNAME", "USERNAME")
+
+
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when the thread that started it ends (or already has: its pid
+    ``parent`` is no longer the parent's; None where that cannot be seen)."""
+    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if parent is not None and os.getppid() != parent:  # it ended before the line above
+        os._exit(128 + signal.SIGKILL)
+
+
+def limit_and_exec(args, parent: int) -> None:
     """In the final process: rlimits, then the user, then the command (never returns)."""
     try:
         if args.mem:
@@ -120,6 +138,9 @@ def limit_and_exec(args) -> None:
             os.chdir(args.cwd)
         if args.uid is not None:
             drop_to(args.uid)
+            for var in IDENTITY_VARS:  # a uid without a passwd entry still has a name
+                os.environ.setdefault(var, f"uid{args.uid}")
+            die_with_parent(parent)  # changing the user cleared it
         os.execvpe(args.command[0], args.command, os.environ)
     except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
         print(f"sandbox: error: could not start {args.command[0]}: {exc}", file=sys.stderr)
@@ -161,19 +182,21 @@ def _status(wait_status: int) -> int:
 
 def run(args) -> int:
     try:
+        die_with_parent(None)
         enter_namespaces(args.net == "none", args.pidns, args.ro)
     except OSError as exc:
         print(f"sandbox: error: cannot make the namespaces asked for: {exc}", file=sys.stderr)
         return 95
     if not args.pidns:
-        limit_and_exec(args)
+        limit_and_exec(args, os.getppid())
     init = os.fork()  # the first child of unshare(CLONE_NEWPID) is the namespace's init
     if init:
         _, status = os.waitpid(init, 0)
         return _status(status)
+    die_with_parent(None)  # seen from the new namespace, its parent's pid is 0
     main = os.fork()
     if main == 0:
-        limit_and_exec(args)
+        limit_and_exec(args, 1)
     code = 1
     while True:  # init: reap everything; when the command ends, leave (the kernel kills the rest)
         try:
