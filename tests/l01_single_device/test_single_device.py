@@ -25,6 +25,7 @@ from tests.helpers import (
     run_script,
     unsent_message,
 )
+from tests.l02_data_parallel.gpus import cpu_data_parallel, fake_one_gpu, tutorial_cell
 from tests.lessons import load, script
 
 LESSON = "01_single_device"
@@ -154,8 +155,9 @@ def test_checkpoint_round_trip_into_a_fresh_model(sd, tmp_path):
 
 
 @pytest.mark.task("01.3")
-def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path):
-    model = nn.DataParallel(ConvNet())
+def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path, monkeypatch):
+    fake_one_gpu(monkeypatch)  # nothing here may move to a GPU, on any machine
+    model = cpu_data_parallel(ConvNet())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sd.save_checkpoint(tmp_path / "ck.pt", model, opt, epoch=1)
     keys = torch.load(tmp_path / "ck.pt", weights_only=True)["model"].keys()
@@ -166,11 +168,14 @@ def test_checkpoint_of_a_wrapped_model_has_no_module_prefix(sd, tmp_path):
 
 
 @pytest.mark.task("01.3")
-def test_checkpoint_loads_into_a_wrapped_model_s_module(sd, tmp_path):
+def test_checkpoint_loads_into_a_wrapped_model_s_module(sd, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = ConvNet()
     sd.save_checkpoint(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
-    wrapped = nn.DataParallel(ConvNet())  # later lessons load into a DDP-wrapped model
+    # As on a machine with one GPU, faked: the weights compared below must all stay on the CPU
+    # (a plain nn.DataParallel would send its module to cuda:0 there).
+    fake_one_gpu(monkeypatch)
+    wrapped = cpu_data_parallel(ConvNet())  # later lessons load into a DDP-wrapped model
     try:
         sd.load_checkpoint(tmp_path / "ck.pt", wrapped)
     except RuntimeError as exc:
@@ -180,6 +185,41 @@ def test_checkpoint_loads_into_a_wrapped_model_s_module(sd, tmp_path):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(wrapped.module.state_dict()[k], v,
                                    msg=f"{k} was not loaded into the wrapper's .module")
+
+
+@pytest.mark.task("01.3")
+@pytest.mark.timeout(60)
+def test_the_notebook_evaluates_the_reloaded_model_where_the_test_batches_go(sd, monkeypatch,
+                                                                             capsys):
+    # The notebook's reload cell, run here with a spy on evaluate(). Its fresh ConvNet is built
+    # on the CPU, while evaluate() sends the test batches to `device`: on a GPU that is cuda,
+    # so the fresh model must be sent there too before it predicts.
+    from dpt.notebook import needs_tasks
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    x, y = _batch(20)
+    evaluated = []  # for each model evaluate() was given: had it been sent to the device?
+    real_evaluate = sd.evaluate
+
+    def evaluate_spy(m, loader, device):
+        evaluated.append(moves.module_sent(m, device))
+        return real_evaluate(m, loader, device)
+
+    monkeypatch.setattr(sd, "evaluate", evaluate_spy)
+    cell = tutorial_cell(LESSON, "load_checkpoint(")
+    names = {"sd": sd, "ConvNet": ConvNet, "model": model, "needs_tasks": needs_tasks,
+             "optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+             "test": TensorLoader(x, y, batch_size=8), "total": len(y), "device": CPU}
+    with recording_moves() as moves:
+        exec(compile(cell, "tutorial.py (reload cell)", "exec"), names)
+    out = capsys.readouterr().out
+    assert "reloaded epoch 1" in out, f"the notebook's reload cell did not finish: {out!r}"
+    assert evaluated and all(evaluated), (
+        "the notebook's reload cell evaluates a fresh model it never sent to `device`: on a GPU "
+        "the test batches go to cuda and the weights stay on the CPU ('Input type "
+        "(torch.cuda.FloatTensor) and weight type (torch.FloatTensor) should be the same'). "
+        "Build it with ConvNet().to(device), as the Trainer moves its model")
 
 
 @pytest.mark.task("01.3")

@@ -28,6 +28,13 @@ from tests.helpers import (
     unsent_message,
 )
 from tests.l02_data_parallel import reference as ref
+from tests.l02_data_parallel.gpus import (
+    cpu_data_parallel,
+    fake_one_gpu,
+    full_fp32,
+    tf32_allowed,
+    tutorial_cell,
+)
 from tests.lessons import load, script
 
 LESSON = "02_data_parallel"
@@ -491,6 +498,26 @@ def test_eval_mode_batch_norm_model_matches_and_no_grad_builds_no_graph(dbh):
                                f"replicas must use the root's running statistics\n{m}")
 
 
+@pytest.mark.task("02.6")
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_by_hand_on_two_cuda_gpus_computes_what_one_gpu_computes(dbh):
+    root = torch.device("cuda", 0)
+    model = _model("convnet").to(root)
+    single = copy.deepcopy(model)
+    x, y = (t.to(root) for t in _data(7))  # chunks of 4 and 3
+    dp = dbh.DataParallelByHand(model, device_ids=[0, 1])
+    with full_fp32():  # TF32 convolutions would differ in the third digit
+        out, expected = dp(x), single(x)
+        assert out.device == root, f"the outputs were gathered on {out.device}, not on {root}"
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5, msg=lambda m: "outputs "
+                                   f"over GPUs 0 and 1 differ from one GPU's\n{m}")
+        F.cross_entropy(out, y).backward()
+        F.cross_entropy(expected, y).backward()
+    _assert_same_grads(model, single)
+
+
 # ------------------------------------------------------- 02.7 / 02.8 nn.DataParallel training
 
 
@@ -507,21 +534,40 @@ def test_wrap_puts_the_model_on_the_root_and_trains_like_one_device(dp_mod):
     assert moves.module_sent(model, root), (
         "wrap never sent the model to the root device: nn.DataParallel needs the weights on "
         "device_ids[0] before it wraps them. Move it first (model.to(root))")
+    # The plain model trains on the root as well, and in full fp32: a GPU's kernels differ
+    # from the CPU's in the last digits, and by default Ampere+ GPUs convolve in TF32.
+    single.to(root)
     opt = torch.optim.SGD(dp.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(single.parameters(), lr=0.05)
-    for step in range(3):
-        x, y = _data(6, seed=step)
-        with recording_moves() as moves:
-            moves.watch(x, y)
-            dp_mod.train_step(dp, (x, y), opt, root)
-        problem = unsent_message(moves, root, "the batch", "train_step")
-        assert not problem, problem
-        ref_opt.zero_grad()
-        F.cross_entropy(single(x), y).backward()
-        ref_opt.step()
+    with full_fp32():
+        for step in range(3):
+            x, y = _data(6, seed=step)
+            with recording_moves() as moves:
+                moves.watch(x, y)
+                dp_mod.train_step(dp, (x, y), opt, root)
+            problem = unsent_message(moves, root, "the batch", "train_step")
+            assert not problem, problem
+            ref_opt.zero_grad()
+            F.cross_entropy(single(x.to(root)), y.to(root)).backward()
+            ref_opt.step()
     for p, q in zip(model.parameters(), single.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=lambda m: "the wrapped "
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m: "the wrapped "
                                    f"model must train exactly like the plain one\n{m}")
+
+
+def test_full_fp32_turns_tf32_off_inside_the_block_and_back_after():
+    # the helper the GPU comparisons above rely on (TF32 is a CUDA matter, its switches exist
+    # in every torch build)
+    before = tf32_allowed()
+    for raises in (False, True):
+        try:
+            with full_fp32():
+                assert not tf32_allowed(), "full_fp32() left TF32 convolutions allowed"
+                if raises:
+                    raise KeyError("inside")
+        except KeyError:
+            pass
+        assert tf32_allowed() == before, "full_fp32() did not put the TF32 switch back"
 
 
 @pytest.mark.task("02.7")
@@ -572,7 +618,8 @@ def test_training_run_limits_its_batches_reloads_and_is_reproducible(dp_mod, mon
         f"--epochs 2 --checkpoint saved epoch={saved.get('epoch')!r}: record the epochs trained "
         "with the weights (save_plain(..., epoch=args.epochs))")
     again = dp_mod.run(args)
-    assert again["losses"] == result["losses"], (
+    # approx: on GPUs a sum may come in another order from one run to the next
+    assert again["losses"] == pytest.approx(result["losses"], rel=1e-5, abs=1e-7), (
         "two runs with the same --seed gave different losses: seed torch "
         "(torch.manual_seed(args.seed)) before the model is built")
 
@@ -733,9 +780,13 @@ def test_explain_devices_describes_the_device_ids_it_is_given(dp_mod, monkeypatc
 
 
 @pytest.mark.task("02.8")
-def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_path):
+def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_path,
+                                                                  monkeypatch):
     model = _model("convnet")
-    dp = nn.DataParallel(model)
+    # As on a machine with one GPU, faked: every weight compared here stays on the CPU (a
+    # plain nn.DataParallel(model) would send the model to cuda:0 there).
+    fake_one_gpu(monkeypatch)
+    dp = cpu_data_parallel(model)
     path = dp_mod.save_plain(dp, tmp_path / "dp.pt", epoch=3)
     raw = torch.load(path, weights_only=True)
     assert raw["epoch"] == 3
@@ -746,7 +797,7 @@ def test_checkpoint_saved_through_module_loads_into_a_plain_model(dp_mod, tmp_pa
     for p, q in zip(plain.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, msg="load_plain must load the saved weights into the "
                                    "plain model")
-    wrapped = nn.DataParallel(ConvNet(batch_norm=False))
+    wrapped = cpu_data_parallel(ConvNet(batch_norm=False))
     dp_mod.load_plain(path, wrapped)
     torch.testing.assert_close(wrapped.module.fc.weight, model.fc.weight, msg="load_plain into "
                                "a wrapper must load into its .module")
@@ -781,8 +832,21 @@ def test_training_script_runs_explains_itself_and_reloads(tmp_path):
 
 
 def test_training_script_bad_input_is_one_clear_line():
-    proc = run_script(script(LESSON, "data_parallel.py"), "--device-ids", "7", timeout=60)
+    # the first id past this machine's last GPU (a "7" is a real GPU on an 8-GPU machine)
+    past_the_last = str(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    proc = run_script(script(LESSON, "data_parallel.py"), "--device-ids", past_the_last,
+                      timeout=60)
     assert "GPU" in one_line_error(proc)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_training_cli_refuses_the_id_past_the_last_gpu(dp_mod, monkeypatch, capsys, gpus):
+    monkeypatch.setattr(dp_mod, "gpu_count", lambda: gpus)  # a machine with `gpus` GPUs, faked
+    monkeypatch.setattr(dp_mod, "prepare", lambda *a, **k: pytest.fail(
+        f"--device-ids {gpus} on a {gpus}-GPU machine got past run()'s checks"))
+    assert dp_mod.main(["--device-ids", str(gpus)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "GPU" in err[0], err
 
 
 @pytest.mark.parametrize("args,needle", [(["--batch-size", "0"], "batch"),
@@ -961,6 +1025,81 @@ def test_sweep_splits_the_cores_among_the_devices_and_records_what_it_ran(timing
         assert len(lines) == 3, (
             f"progress got {len(lines)} lines for 1 batch size x 3 lines: report every "
             "timing as it is taken")
+
+
+CPU = torch.device("cpu")
+
+
+def _fake_gpu_sweep(timing, monkeypatch, gpus: int, cores: int = 4):
+    """sweep() as on a machine with ``gpus`` GPUs and ``cores`` cores, faked: nothing runs on
+    a GPU. Returns the device ids wrap() got (one list per call) and the models timed."""
+    monkeypatch.setattr(timing, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(timing, "cpu_budget", lambda: cores)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "a faked GPU")
+    wrapped, timed = [], []
+    monkeypatch.setattr(timing, "wrap", lambda model, device_ids=None: wrapped.append(device_ids)
+                        or (SimpleNamespace(module=model, device_ids=device_ids), CPU))
+    monkeypatch.setattr(timing, "time_forward", lambda model, x, device, warmup=3, repeats=10:
+                        timed.append(model) or 0.001)
+    return wrapped, timed
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_sweep_refuses_more_devices_than_gpus_as_main_does(timing, monkeypatch, gpus):
+    wrapped, timed = _fake_gpu_sweep(timing, monkeypatch, gpus)
+    try:
+        timing.sweep([2], gpus + 1, "mlp", warmup=0, repeats=1)
+    except ValueError as exc:
+        assert "GPU" in str(exc), str(exc)
+    else:
+        pytest.fail(f"sweep(n_devices={gpus + 1}) on a {gpus}-GPU machine went on to time "
+                    f"nn.DataParallel over device ids {wrapped}, past the last GPU: refuse it "
+                    "with the rule main() applies to --devices (resolve_devices)")
+    assert not wrapped and not timed, "nothing is timed before the devices are checked"
+    timing.sweep([2], None, "mlp", warmup=0, repeats=1)
+    assert wrapped == [list(range(gpus))], (
+        f"sweep(n_devices=None) on a {gpus}-GPU machine wrapped device ids {wrapped}: "
+        "by default N is every GPU")
+
+
+def test_sweep_on_gpus_times_the_hand_written_data_parallel_too(timing, monkeypatch):
+    wrapped, timed = _fake_gpu_sweep(timing, monkeypatch, gpus=4)
+    result = timing.sweep([2, 8], 2, "mlp", warmup=0, repeats=1)
+    by_hand = [m for m in timed if isinstance(m, timing.DataParallelByHand)]
+    assert by_hand and all(m.device_ids == [0, 1] for m in by_hand), (
+        f"sweep(n_devices=2) on a 4-GPU machine timed {[type(m).__name__ for m in timed]}: "
+        "the hand-written DataParallelByHand over GPUs 0 and 1 must be timed beside "
+        "nn.DataParallel, or it never runs on GPUs")
+    assert wrapped == [[0, 1]] and len(result["lines"]) == 3, result["lines"]
+    assert any("by hand" in name for name in result["lines"]), list(result["lines"])
+
+
+@pytest.mark.parametrize("gpus,cores", [(0, 2), (1, 2), (0, 1), (2, 16), (8, 4)])
+def test_the_notebook_s_timing_cell_asks_for_devices_the_machine_has(timing, monkeypatch,
+                                                                     capsys, gpus, cores):
+    from dpt.notebook import needs_tasks
+
+    monkeypatch.setattr(timing, "gpu_count", lambda: gpus)  # the machine, faked
+    monkeypatch.setattr(timing, "cpu_budget", lambda: cores)
+    asked = []
+
+    def sweep_spy(batch_sizes, n_devices=None, *args, **kwargs):
+        asked.append(n_devices)
+        return _fake_sweep_result(batch_sizes, n_devices)
+
+    monkeypatch.setattr(timing, "sweep", sweep_spy)
+    monkeypatch.setattr(timing, "plot", lambda result, path=None: None)
+    names = {"dp_timing": timing, "needs_tasks": needs_tasks, "cpu_budget": lambda: cores,
+             "plt": SimpleNamespace(show=lambda: None)}
+    exec(compile(tutorial_cell(LESSON, "dp_timing.sweep("), "tutorial.py (timing cell)", "exec"),
+         names)
+    assert len(asked) == 1, "the notebook's timing cell did not run the sweep"
+    n = asked[0]
+    assert n is None or (n >= 1 and (gpus < 2 or n <= gpus)), (
+        f"the notebook's timing cell asked sweep() for {n} devices on a machine with {gpus} "
+        f"GPUs and {cores} cores: nn.DataParallel gets device ids past the last GPU. Ask "
+        "dp_timing.resolve_devices() for N")
+    capsys.readouterr()
 
 
 def test_timing_script_bad_input_is_one_clear_line():
