@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class CheckpointError(RuntimeError):
@@ -53,3 +54,38 @@ def strip_module_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Drop the ``module.`` that DataParallel/DDP wrappers add to every key."""
     prefix = "module."
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+
+
+def _world() -> tuple[int, int]:
+    """``(rank, world size)`` in the process group, ``(0, 1)`` outside one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def exists_on_rank_0(path: str | os.PathLike) -> bool:
+    """Whether ``path`` exists as rank 0 sees it, on every rank (collective: all ranks call it).
+
+    Whether to resume is one decision for the whole job. Ranks that each looked for
+    themselves could disagree (a snapshot written between two ranks' looks, a node whose disk
+    lacks the file): they would start at different epochs and wait forever for each other.
+    """
+    rank, world_size = _world()
+    answer = [os.path.exists(path) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(answer, src=0)
+    return bool(answer[0])
+
+
+def check_same_epoch(epoch: int, path: str | os.PathLike) -> None:
+    """Collective: refuse, on every rank at once, a resume whose ranks read snapshots of
+    different epochs (a node kept an old copy), which would train different numbers of epochs
+    and wait forever for each other."""
+    _, world_size = _world()
+    epochs = [epoch] * world_size
+    if world_size > 1:
+        dist.all_gather_object(epochs, epoch)
+    if len(set(epochs)) > 1:
+        raise CheckpointError(
+            f"the ranks resumed from snapshots {path} of different epochs ({epochs}, in rank "
+            "order): some node has an old copy; copy rank 0's snapshot to every node")

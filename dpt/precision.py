@@ -3,9 +3,14 @@
 What to compute in is a property of the machine, decided here once: lesson 06's scripts take
 ``--precision {fp32,bf16,fp16,auto}`` from :func:`add_precision_argument`,
 ``dpt.cli.validate`` refuses an impossible request before any process starts
-(:func:`check_request`), and each rank turns the flag into an autocast dtype for *its own*
-device with :func:`choose_precision`. How a training step uses that dtype and the
-``GradScaler`` is the lesson's to write, not this module's.
+(:func:`check_request`), the ranks of a job agree on what ``auto`` means
+(:func:`agree_precision`), and each rank turns that into an autocast dtype for its device with
+:func:`choose_precision`. How a training step uses that dtype and the ``GradScaler`` is the
+lesson's to write, not this module's.
+
+Why the ranks must agree: on a cluster whose GPUs differ (an A100 next to a V100), ``auto``
+resolved rank by rank gives bf16 on one and fp16 with a GradScaler on the other, and DDP then
+averages one rank's scaled gradients with another's unscaled ones.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +59,45 @@ def cuda_has_native_bf16(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_properties(device).major >= 8
 
 
+def auto_candidates(device: torch.device) -> list[str]:
+    """What ``auto`` may pick on ``device``: the precisions it runs well, best first.
+
+    A CUDA GPU of compute capability 8 and up: bf16, fp16, fp32; an older one: fp16, fp32
+    (its bf16 is emulated); a CPU with bf16 instructions: bf16, fp32; anything else: fp32.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return ["bf16", "fp16", "fp32"] if cuda_has_native_bf16(device) else ["fp16", "fp32"]
+    if device.type == "cpu" and cpu_has_fast_bf16():
+        return ["bf16", "fp32"]
+    return ["fp32"]
+
+
+def agree_precision(device: torch.device, requested: str = "auto") -> str:
+    """The precision every rank of the job uses for ``requested``, by name.
+
+    An explicit precision comes back as it is. ``auto`` becomes the best precision that
+    every rank's device runs well (:func:`auto_candidates`): in a process group of several
+    ranks this is collective (an all-gather; every rank must call it), and rank 0 says so
+    when some rank's own best differs. Without a process group it is this device's best.
+    """
+    if requested != "auto":
+        return requested
+    mine = auto_candidates(device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine[0]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"device": str(device), "candidates": mine})
+    common = [p for p in mine if all(p in r["candidates"] for r in everyone)]
+    chosen = common[0]  # fp32 is in every list
+    if dist.get_rank() == 0 and any(r["candidates"][0] != chosen for r in everyone):
+        best = ", ".join(f"rank {i} ({r['device']}) {r['candidates'][0]}"
+                         for i, r in enumerate(everyone))
+        print(f"note: --precision auto: the ranks' devices differ ({best}); all ranks use "
+              f"{chosen}, which every one of them runs", flush=True)
+    return chosen
+
+
 def choose_precision(device: torch.device, requested: str = "auto"
                      ) -> tuple[torch.dtype | None, bool]:
     """``(autocast dtype, or None for fp32; whether a GradScaler is needed)`` on ``device``.
@@ -66,12 +111,7 @@ def choose_precision(device: torch.device, requested: str = "auto"
                              f"{', '.join(PRECISIONS)}")
     device = torch.device(device)
     if requested == "auto":
-        if device.type == "cuda":
-            requested = "bf16" if cuda_has_native_bf16(device) else "fp16"
-        elif device.type == "cpu" and cpu_has_fast_bf16():
-            requested = "bf16"
-        else:
-            requested = "fp32"
+        requested = auto_candidates(device)[0]
     if requested == "fp16" and device.type != "cuda":
         raise PrecisionError(f"--precision fp16 is the CUDA recipe (fp16 autocast + GradScaler); "
                              f"on {device.type} use bf16 (no scaler needed) or fp32")
@@ -85,7 +125,8 @@ def add_precision_argument(p: argparse.ArgumentParser, default: str = "auto"
     p.add_argument("--precision", default=default, choices=PRECISIONS,
                    help="autocast dtype. auto: bf16 on GPUs of compute capability 8+, fp16 "
                         "with a GradScaler on older ones; on a CPU bf16 if it has bf16 "
-                        "instructions, else fp32")
+                        "instructions, else fp32; every rank uses the best one all the "
+                        "ranks' devices run")
     return p
 
 
@@ -93,7 +134,7 @@ def check_request(precision: str, device: str) -> None:
     """Refuse, before anything starts, a ``--precision`` that ``--device`` cannot run.
 
     Only what is certain without a process: fp16 needs CUDA, and MPS has no bf16 autocast.
-    ``auto`` always has an answer; each rank resolves it for its own device.
+    ``auto`` always has an answer; the ranks resolve it together (:func:`agree_precision`).
     """
     kind = (device or "auto").split(":")[0]
     cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())

@@ -108,3 +108,39 @@ def save_on_ranks(rank: int, world_size: int, folder: str) -> dict:
         there_on_return = trainer.checkpoint_path.is_file()
     return {"there_on_return": there_on_return,
             "model_sent": moves.module_sent(model, "cpu")}
+
+
+def precision_on_unlike_ranks(rank: int, world_size: int, precision: str = "auto") -> dict:
+    """The lesson's Trainer on ranks whose CPUs differ: rank 0's has bf16 instructions, the
+    others' have none (faked, so the answer does not depend on this machine's CPU). Returns the
+    autocast dtype it chose and whether its GradScaler is on."""
+    import ddp_amp  # the lesson module, from the tree under test
+
+    import dpt.precision
+
+    dpt.precision.cpu_has_fast_bf16 = lambda: rank == 0
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = ddp_amp.Trainer(model, None, opt, torch.device("cpu"), precision=precision)
+    return {"dtype": str(trainer.dtype), "scaled": trainer.scaler.is_enabled()}
+
+
+def agreed_on_unlike_gpus(rank: int, world_size: int, majors: tuple[int, ...]) -> dict:
+    """``dpt.precision.agree_precision`` for ``cuda:rank``, whose compute capability is faked
+    to ``majors[rank]`` (no GPU is touched: gloo gathers on the CPU). Returns the precision
+    agreed, the dtype and scaler it gives, and what the rank printed."""
+    import contextlib
+    import io
+    import types
+
+    from dpt import precision
+
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        major=majors[torch.device(device).index], minor=0)
+    device = torch.device("cuda", rank)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        name = precision.agree_precision(device, "auto")
+    dtype, scaled = precision.choose_precision(device, name)
+    return {"name": name, "dtype": str(dtype), "scaled": scaled, "printed": out.getvalue()}

@@ -33,7 +33,7 @@ import dpt.precision as precision
 from dpt.checkpoint import CheckpointError, atomic_save
 from dpt.dist import group_of_one
 from dpt.models import MLP, ConvNet
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 from tests.helpers import one_line_error, requires_data, run_script
 from tests.lessons import load, script
 
@@ -291,6 +291,49 @@ def test_cuda_auto_picks_bf16_or_fp16_with_a_scaler():
         assert (dtype, scaler) == (torch.bfloat16, False)
     else:
         assert (dtype, scaler) == (torch.float16, True)
+
+
+
+@pytest.mark.timeout(150)
+def test_ranks_whose_devices_differ_train_in_one_precision():
+    """--precision auto on a job whose machines differ (faked: only rank 0's CPU has bf16
+    instructions). Each rank choosing for its own device gives bf16 on rank 0 and fp32 on
+    rank 1, and DDP then averages gradients computed in two precisions (on GPUs of two
+    generations: fp16-scaled ones with unscaled bf16 ones). The Trainer's choice must be the
+    job's: the best precision every rank runs well, here fp32."""
+    from tests.l06_mixed_precision import rank_fns
+
+    ranks = run_distributed(rank_fns.precision_on_unlike_ranks, world_size=2, timeout=120)
+    choices = [(r["dtype"], r["scaled"]) for r in ranks]
+    assert choices[0] == choices[1], (
+        f"--precision auto gave rank 0 {choices[0]} and rank 1 {choices[1]} (autocast dtype, "
+        "scaler on): each rank resolved auto for its own device; the ranks must agree on one "
+        "(dpt.precision.agree_precision)")
+    assert choices[0] == ("None", False), (
+        f"the ranks agreed on {choices[0]}, not fp32: only rank 0 runs bf16 well, so the "
+        "precision every rank supports is fp32")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("majors, expected", [((8, 7), ("fp16", "torch.float16", True)),
+                                              ((7, 9), ("fp16", "torch.float16", True)),
+                                              ((9, 8), ("bf16", "torch.bfloat16", False))])
+def test_gpus_of_two_generations_agree_on_the_best_precision_both_run(majors, expected):
+    """An A100 (8) next to a V100 (7): bf16 is emulated on the V100, so the job runs fp16 with
+    a scaler on both; two GPUs with bf16 in hardware keep bf16. Rank 0 says when it overruled
+    some rank's own best."""
+    from tests.l06_mixed_precision import rank_fns
+
+    ranks = run_distributed(rank_fns.agreed_on_unlike_gpus, world_size=2, args=(majors,),
+                            timeout=120)
+    for rank, r in enumerate(ranks):
+        assert (r["name"], r["dtype"], r["scaled"]) == expected, (
+            f"compute capabilities {majors}: rank {rank} got {r['name']} ({r['dtype']}, scaler "
+            f"{r['scaled']}), not {expected[0]}")
+    if majors[0] != majors[1] and min(majors) < 8:
+        assert expected[0] in ranks[0]["printed"] and not ranks[1]["printed"], (
+            f"rank 0 should say once which precision the unlike ranks share: rank 0 printed "
+            f"{ranks[0]['printed']!r}, rank 1 {ranks[1]['printed']!r}")
 
 
 # ---------------------------------------------------------------- 06.1 the mixed-precision step
@@ -1065,16 +1108,29 @@ def test_ddp_cli_bad_input_is_one_line(args, words):
 
 
 def test_ddp_script_passes_clip_and_precision_on(monkeypatch):
-    # run() is given code: joining and training are stood in for, only the wiring is tested
+    # main() is given code: joining and training are stood in for, only the wiring is tested
     mod = load(LESSON, "ddp_amp")
     seen = {}
+
+    class Trainer:
+        def __init__(self, model, *args, **kwargs):
+            seen.update(kwargs)
+            self.model, self.history = model, []
+
+        def train(self, *args):
+            return []
+
     monkeypatch.setattr(mod, "ddp_setup", lambda local_rank, args: (0, 1, CPU))
     monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
-    monkeypatch.setattr(mod.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(options) or {})
+    monkeypatch.setattr(mod, "Trainer", Trainer)
+    monkeypatch.setattr(mod, "prepare_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "load_tensors", lambda *a, **k: (torch.zeros(8, 1, 28, 28),
+                                                               torch.zeros(8, dtype=torch.long)))
+    monkeypatch.setattr(mod, "prepare_dataloader", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "evaluate", lambda *a: (1, 2))
     for flags, max_norm in ((["--clip", "0.5"], 0.5), ([], None), (["--clip", "0"], None)):
         seen.clear()
-        mod.run(0, mod.build_parser().parse_args(["--precision", "bf16", *flags]))
+        mod.main(0, mod.build_parser().parse_args(["--precision", "bf16", *flags]))
         assert seen.get("max_norm") == max_norm, (
             f"ddp_amp.py {' '.join(flags) or '(no --clip)'} gave the Trainer "
             f"max_norm={seen.get('max_norm')!r}, not {max_norm!r}: pass --clip on to it "
@@ -1136,7 +1192,7 @@ def _amp_inspect_main(monkeypatch, flags, params=None) -> dict:
     """``amp_inspect.main`` (given code) with the cast map (task 06.1's step) and the ranks
     stood in for: each rank reports its entry of ``params`` (two equal ones by default).
     Returns the kwargs the ranks were started with."""
-    import dpt.testing
+    import dpt.ranks
 
     mod = load(LESSON, "amp_inspect")
     seen = {}
@@ -1148,7 +1204,7 @@ def _amp_inspect_main(monkeypatch, flags, params=None) -> dict:
                 for p in params or (torch.zeros(1), torch.zeros(1))]
 
     monkeypatch.setattr(mod, "cast_map", lambda trainer, source, targets: [])
-    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    monkeypatch.setattr(dpt.ranks, "run_distributed", fake_run_distributed)
     mod.main(mod.build_parser().parse_args(flags))
     return seen
 

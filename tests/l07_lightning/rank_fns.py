@@ -1,4 +1,4 @@
-"""Rank functions for lesson 07's tests (run by dpt.testing.run_distributed).
+"""Rank functions for lesson 07's tests (run by dpt.ranks.run_distributed).
 
 Only the raw loop runs this way: it uses no Lightning, so no strategy re-runs a script.
 """

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dpt.models import MLP
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 from tests.helpers import one_line_error, requires_data, run_script
 from tests.l07_lightning import rank_fns
 from tests.lessons import load, script
@@ -568,14 +568,15 @@ def test_fabric_script_passes_its_flags_on_and_reports_the_last_ten_losses(
     monkeypatch.setattr(dpt.dist, "set_threads", seen["threads"].append)
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # seed_everything writes it; put it back after
     seed, hidden, batch = 5, 32, 16
-    code = fd.main(["--devices", "3", "--strategy", "ddp_spawn", "--epochs", str(epochs),
+    code = fd.main(["--devices", "3", "--strategy", "ddp_spawn", "--accelerator", "cpu",
+                    "--epochs", str(epochs),
                     "--batch-size", str(batch), "--limit", str(limit), "--lr", str(lr),
                     "--hidden-dim", str(hidden), "--seed", str(seed)])
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     assert seen["fabric"] == [dict(accelerator="cpu", devices=3, strategy="ddp_spawn")], (
-        f"main() built Fabric{seen['fabric']} for --devices 3 --strategy ddp_spawn: pass both "
-        "flags on")
+        f"main() built Fabric{seen['fabric']} for --devices 3 --strategy ddp_spawn "
+        "--accelerator cpu: pass the flags on")
     assert seen["threads"] == [dpt.dist.threads_per_rank(3)], (
         f"set_threads got {seen['threads']}: split the cores among the 3 ranks")
     assert seen["limit"] == [limit] and seen["batch_size"] == [batch], (
@@ -601,6 +602,89 @@ def test_fabric_script_passes_its_flags_on_and_reports_the_last_ten_losses(
             "with --lr 0 the weights are not the seeded init of MLP(--hidden-dim): seed "
             "every rank alike (fabric.seed_everything(args.seed)) before building the model, "
             "and give Adam lr=args.lr")
+
+
+class _Stop(Exception):
+    """Raised by the recording Fabric: the test has seen what main() asked for."""
+
+
+def _fabric_asked_for(monkeypatch, flags, cuda_count, mps) -> tuple[int | None, dict, str]:
+    """``fabric_ddp.main(flags)`` on a machine with ``cuda_count`` GPUs and MPS or not
+    (faked), up to the Fabric it builds. Returns (exit code, or None when it reached
+    Fabric; Fabric's keyword arguments; what it wrote to stderr)."""
+    import contextlib
+
+    import lightning_fabric
+
+    import dpt.dist
+
+    fd = load(LESSON, "fabric_ddp")
+    seen = {}
+
+    def recording_fabric(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_count)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_count > 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    monkeypatch.setattr(lightning_fabric, "Fabric", recording_fabric)
+    monkeypatch.setattr(fd, "prepare", lambda *a, **kw: None)
+    monkeypatch.setattr(dpt.dist, "set_threads", lambda n: n)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    err = io.StringIO()
+    code = None
+    with contextlib.redirect_stderr(err):
+        try:
+            code = fd.main(flags)
+        except _Stop:
+            pass
+        except SystemExit as exc:  # argparse: a flag it does not know
+            code = exc.code
+    return code, seen, err.getvalue()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, cuda_count, mps, expected", [
+    ([], 0, False, "cpu"),
+    ([], 4, False, "cuda"),
+    (["--accelerator", "auto"], 1, False, "cpu"),  # 3 processes, 1 GPU: NCCL would refuse
+    (["--accelerator", "cpu"], 4, False, "cpu"),
+    (["--accelerator", "cuda"], 4, False, "cuda"),
+    (["--accelerator", "gpu"], 3, False, "gpu"),
+    ([], 0, True, "cpu"),  # MPS serves one process only
+    (["--devices", "1"], 0, True, "mps"),
+])
+def test_fabric_script_takes_an_accelerator_flag(monkeypatch, flags, cuda_count, mps, expected):
+    """Given code: ``--accelerator`` (default auto) reaches Fabric, resolved for the machine:
+    a GPU per process when there are enough, else the CPU; a hard-coded accelerator='cpu'
+    leaves every GPU idle."""
+    flags = flags if "--devices" in flags else ["--devices", "3", *flags]
+    code, seen, err = _fabric_asked_for(monkeypatch, flags, cuda_count, mps)
+    assert code is None, f"fabric_ddp.py {' '.join(flags)} stopped with {code}: {err}"
+    assert seen.get("accelerator") == expected, (
+        f"fabric_ddp.py {' '.join(flags)} on a machine with {cuda_count} GPU(s)"
+        f"{' and MPS' if mps else ''} built Fabric(accelerator={seen.get('accelerator')!r}), "
+        f"not {expected!r}: take --accelerator (default auto) and pass it on, resolved as "
+        "lit_train.py does")
+    if expected == "cpu" and cuda_count and "cpu" not in flags:
+        assert "GPU" in err, f"falling back to the CPU with {cuda_count} GPU(s) says nothing"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, cuda_count, mps, words", [
+    (["--accelerator", "cuda"], 0, False, "--accelerator cuda"),
+    (["--accelerator", "gpu", "--devices", "3"], 2, False, "--devices 2"),
+    (["--accelerator", "mps", "--devices", "2"], 0, True, "MPS"),
+])
+def test_fabric_script_refuses_an_accelerator_the_machine_lacks(monkeypatch, flags, cuda_count,
+                                                                mps, words):
+    code, seen, err = _fabric_asked_for(monkeypatch, flags, cuda_count, mps)
+    assert code == 2 and not seen, (
+        f"fabric_ddp.py {' '.join(flags)} on {cuda_count} GPU(s) got to Fabric{seen} (exit "
+        f"{code}) instead of refusing with one line")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
 
 
 # ------------------------------------------------------------------ strategies, 2 processes

@@ -1,4 +1,4 @@
-"""Rank functions for lesson 08's tests (run by dpt.testing.run_distributed).
+"""Rank functions for lesson 08's tests (run by dpt.ranks.run_distributed).
 
 Each one loads the lesson code through tests.lessons.load inside the rank, and uses torch's
 own tools (DDP, ZeroRedundancyOptimizer, fully_shard, DTensor.full_tensor) as references.
@@ -337,7 +337,12 @@ def zero2_mean_of_known_gradients(rank, world_size):
     real = {name: getattr(dist, name) for name in ("reduce", "all_reduce")}
 
     def counting(name):
-        return lambda *a, **k: (calls.append(name), real[name](*a, **k))[1]
+        def call(*a, **k):
+            tensor = k.get("tensor", a[0] if a else None)
+            if tensor is None or tensor.is_floating_point():  # gradients, not flags
+                calls.append(name)
+            return real[name](*a, **k)
+        return call
 
     for name in real:
         setattr(dist, name, counting(name))
@@ -352,6 +357,34 @@ def zero2_mean_of_known_gradients(rank, world_size):
                      for p in model.parameters()]}
     opt.step()  # ZeRO-2's step after the reduce: every rank again holds the same weights
     out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def zero2_gradient_on_some_ranks(rank, world_size):
+    """ZeRO-2's reduce_gradients() when the ranks' gradients are not on the same parameters,
+    as after a branch that only some ranks' data takes. Rank r holds r + 1 in every element,
+    except that rank 1 has no gradient for the second layer and no rank has one for the third.
+    Returns, per parameter, this rank's gradient values after the call (None when it has none),
+    and the weights after the step() that follows."""
+    from torch import nn
+
+    zo = load(LESSON, "zero_optimizer")
+    use_reference_partition(zo)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(3, 2))
+    opt = zo.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    params = list(model.parameters())
+    missing = {4, 5} | ({2, 3} if rank == 1 else set())
+    for i, p in enumerate(params):
+        if i not in missing:
+            p.grad = torch.full_like(p, float(rank + 1))
+    opt.reduce_gradients()
+    owners = reference_partition([p.numel() for p in params], world_size)
+    out = {"owners": owners,
+           "grads": [None if p.grad is None else sorted(set(p.grad.flatten().tolist()))
+                     for p in params]}
+    opt.step()
+    out["params"] = [p.detach().clone() for p in params]
     return out
 
 

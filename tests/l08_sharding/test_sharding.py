@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dpt.models import ConvNet, build_model
-from dpt.testing import run_distributed
+from dpt.ranks import RankFailure, run_distributed
 from tests.helpers import one_line_error, requires_data, run_script
 from tests.l08_sharding import rank_fns
 from tests.lessons import load, script
@@ -513,7 +513,7 @@ def test_the_blocks_to_shard_are_the_children_that_hold_parameters():
 
 def test_the_script_passes_its_flags_to_every_rank(monkeypatch, capsys):
     """main() turns its flags into train_worker's arguments (the ranks are faked here)."""
-    import dpt.testing
+    import dpt.ranks
 
     ft = load(LESSON, "fsdp2_train")
     seen = {}
@@ -524,7 +524,7 @@ def test_the_script_passes_its_flags_to_every_rank(monkeypatch, capsys):
         return [{"rank": r, "losses": [2.0, 1.0], "memory": memory, "state_dict": {}}
                 for r in range(world_size)]
 
-    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    monkeypatch.setattr(dpt.ranks, "run_distributed", fake_run_distributed)
     assert ft.main(["--nproc", "3", "--mode", "ddp", "--steps", "7", "--batch-size", "5",
                     "--lr", "0.25", "--data", "synthetic"]) == 0
     got = {k: seen.get(k) for k in ("world_size", "mode", "steps", "batch_size", "lr", "data")}
@@ -587,6 +587,40 @@ def test_zero2_reduce_gradients_averages_over_three_ranks():
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, rank=rank: (
                 f"rank {rank}'s weights differ from rank 0's after reduce_gradients() and "
                 f"step(): every owner must broadcast what it updated\n{m}"))
+
+
+@pytest.mark.timeout(120)
+def test_zero2_reduce_agrees_when_a_gradient_is_on_some_ranks_only():
+    """Given code: a parameter with a gradient on rank 0 but not on rank 1 (a branch only rank
+    0's data took). Ranks that decide from their own gradients which reduces to enter enter
+    different ones, and wait for each other forever: the short timeout turns that into a
+    failure. The ranks must agree on the parameters with a gradient anywhere and count a
+    missing one as zeros (as DDP does); a parameter without any gradient keeps none."""
+    try:
+        ranks = run_distributed(rank_fns.zero2_gradient_on_some_ranks, world_size=2,
+                                timeout=30)
+    except RankFailure as exc:
+        pytest.fail("reduce_gradients() hung or failed when rank 1 had no gradient for "
+                    "parameters rank 0 had one for: each rank decided from its own gradients "
+                    "which reduces to enter. Agree first on which parameters have a gradient "
+                    "on any rank (an all_reduce of flags), and reduce zeros for a missing one"
+                    f"\n{str(exc)[:2000]}")
+    owners = ranks[0]["owners"]
+    # rank 0 holds 1 and rank 1 holds 2, except on layer 2 (1 and nothing) and layer 3 (none)
+    want = [[1.5], [1.5], [0.5], [0.5], None, None]
+    for rank, r in enumerate(ranks):
+        for i, (owner, grad) in enumerate(zip(owners, r["grads"])):
+            expected = want[i] if owner == rank else None
+            assert grad == expected, (
+                f"rank {rank}, parameter {i} (owner: rank {owner}): after reduce_gradients() "
+                f"its gradient is {grad}, not {expected}: "
+                + ("a parameter that has no gradient on any rank keeps none"
+                   if want[i] is None else
+                   "the owner gets the mean over the ranks, a missing gradient counting as 0"
+                   if owner == rank else "a rank frees the gradients it does not own"))
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: (
+            f"the ranks' weights differ after reduce_gradients() and step()\n{m}"))
 
 
 @pytest.mark.task("08.3")
