@@ -8,7 +8,17 @@
 - ``dpt.dist``: process-group setup on a free port, per-rank thread budgets, teardown.
 - ``dpt.checkpoint``: atomic save and careful load.
 - ``dpt.precision``: the ``--precision`` flag, and the autocast dtype each device gets.
-- ``dpt.testing``: run a function on N ranks with a hard timeout (tests and notebooks).
+- ``dpt.ranks``: run a function on N ranks with a hard timeout (tests, notebooks, benchmarks).
 """
 
-__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "testing"]
+__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks"]
+
+import importlib.util as _util
+import sys as _sys
+
+# A python that finds dpt but no torch (PYTHONPATH set by hand, a venv whose torch install
+# failed) stops at its first `import dpt` with one line instead of a traceback. Lesson files
+# first check that dpt is there at all (their first line): a python without it is not the venv.
+if _util.find_spec("torch") is None:
+    _sys.exit(f"error: {_sys.executable} has no torch; use the course's venv: .venv/bin/python "
+              f"{_sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")

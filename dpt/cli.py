@@ -3,10 +3,10 @@
 Lessons 01-04 build their parser with :func:`parser`, check it with :func:`validate` and run
 through :func:`main`, so a bad flag, missing data, a device the machine lacks or a broken
 checkpoint end the same way everywhere: one line ``error: ...`` on stderr and exit code 2.
-What their scripts do around the ``Trainer`` (data, model, optimizer, timing, the printed
-accuracy: :func:`train_and_evaluate`; the progress bar and ``--limit-batches``:
-:func:`batches`) and lesson 03's ``mp.spawn`` launch (``-n/-g/-nr``, the rendezvous address)
-live here too, so the lesson files hold only what they teach;
+Lesson 01's data, model, optimizer and printed accuracy (:func:`train_and_evaluate`; lessons
+03 and 04 write them out in their own ``main``), the progress bar and ``--limit-batches``
+(:func:`batches`) and the checks around lesson 03's ``mp.spawn`` (``-n/-g/-nr``, the
+rendezvous address, a free port: :func:`with_free_port`) live here too;
 lesson 06's ``--precision`` is checked here as well (its values and rules are in
 ``dpt.precision``).
 """
@@ -35,12 +35,13 @@ from dpt.data import (
     load_tensors,
     prepare_distributed,
 )
-from dpt.device import DEVICE_CHOICES, DeviceError, pick_device
+from dpt.device import DEVICE_CHOICES, DeviceError, pick_device, shares_gpu
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
 from dpt.models import MODELS, build_model
 from dpt.precision import check_request
 
-__all__ = ["LaunchError", "batches", "main", "parser", "train_and_evaluate", "validate"]
+__all__ = ["LaunchError", "batches", "describe", "main", "parser", "timed", "train_and_evaluate",
+           "validate", "with_free_port"]
 
 
 EXPECTED = (ValueError, DataError, DeviceError, CheckpointError)
@@ -149,6 +150,23 @@ def batches(loader, limit: int | None, desc: str, show: bool) -> Iterable:
     return tqdm(islice(loader, steps), total=steps, leave=False, desc=desc, disable=not show)
 
 
+def describe(args: argparse.Namespace, device: torch.device) -> str:
+    """The line a training script prints before it starts: what trains where, and how."""
+    if dist.is_initialized():
+        return (f"training {args.model} on {args.dataset}: world size "
+                f"{dist.get_world_size()}, backend {dist.get_backend()}, {device}, "
+                f"{torch.get_num_threads()} thread(s) and batch {args.batch_size} per rank")
+    return (f"training {args.model} on {args.dataset} on {device} "
+            f"({torch.get_num_threads()} threads, batch {args.batch_size})")
+
+
+def timed(fn: Callable, *args) -> float:
+    """Seconds ``fn(*args)`` took."""
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
 def train_and_evaluate(args: argparse.Namespace, device: torch.device,
                        prepare_dataloader: Callable, trainer_class: type, evaluate: Callable,
                        **trainer_options) -> dict:
@@ -170,13 +188,7 @@ def train_and_evaluate(args: argparse.Namespace, device: torch.device,
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = trainer_class(model, train_data, optimizer, device, save_every=args.save_every,
                             progress=args.progress, **trainer_options)
-    if dist.is_initialized():
-        rank0_print(f"training {args.model} on {args.dataset}: world size "
-                    f"{dist.get_world_size()}, backend {dist.get_backend()}, {device}, "
-                    f"{torch.get_num_threads()} thread(s) and batch {args.batch_size} per rank")
-    else:
-        rank0_print(f"training {args.model} on {args.dataset} on {device} "
-                    f"({torch.get_num_threads()} threads, batch {args.batch_size})")
+    rank0_print(describe(args, device))
     start = time.perf_counter()
     losses = trainer.train(args.epochs, args.limit_batches)
     seconds = time.perf_counter() - start
@@ -219,7 +231,7 @@ def add_spawn_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="processes to start on this machine (one per GPU, or CPU ranks)")
     p.add_argument("-nr", "--nr", type=int, default=0, help="this machine's rank, 0..nodes-1")
     p.add_argument("--master-addr", default=None,
-                   help="address of node 0 (default: $MASTER_ADDR, else 127.0.0.1)")
+                   help="address of node 0 (default: $MASTER_ADDR; on node 0, 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None,
                    help="port on node 0 (default: $MASTER_PORT; on one node, a free port)")
     return p
@@ -229,7 +241,8 @@ def check_launch(nodes: int, procs_per_node: int, node_rank: int, device: str = 
     """Refuse a launch that cannot work, with one sentence; return the world size.
 
     On a machine with GPUs, ``auto`` means one GPU per process too, so ``-g 2`` on one GPU is
-    refused here, before any process starts, rather than late in rank 1.
+    refused here, before any process starts, rather than late in rank 1; unless the ranks
+    share the GPUs (``DPT_SHARE_GPU=1``, ``dpt.device.shares_gpu``: gloo, several per GPU).
     """
     if nodes < 1:
         raise LaunchError(f"--nodes must be at least 1, got {nodes}")
@@ -238,23 +251,31 @@ def check_launch(nodes: int, procs_per_node: int, node_rank: int, device: str = 
     if not 0 <= node_rank < nodes:
         raise LaunchError(f"node rank -nr {node_rank} is out of range: with --nodes {nodes} "
                           f"it must be 0..{nodes - 1}")
-    if pick_device(device, distributed=True).type == "cuda":
+    if pick_device(device, distributed=True).type == "cuda" and not shares_gpu():
         gpus = torch.cuda.device_count()
         if procs_per_node > gpus:
             raise DeviceError(f"-g {procs_per_node} processes on this machine's {gpus} GPU(s): "
-                              f"one GPU per process, so use -g {gpus} or fewer, or --device cpu")
+                              f"one GPU per process, so use -g {gpus} or fewer, or --device cpu "
+                              "(or DPT_SHARE_GPU=1: ranks share the GPUs, with gloo)")
     return nodes * procs_per_node
 
 
 def resolve_master(args: argparse.Namespace) -> tuple[str, int]:
-    """Where rank 0 listens. One node may pick a free port; several must agree on one."""
-    addr = args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    """Where rank 0 listens. One node may pick a free port; several must agree on one, and
+    every node but node 0 must be told node 0's address (node 0 may default to itself)."""
+    addr = args.master_addr or os.environ.get("MASTER_ADDR")
     port = args.master_port or os.environ.get("MASTER_PORT")
     if port is None:
         if args.nodes > 1:
             raise LaunchError("with --nodes > 1, give every node the same --master-port "
                               "(or MASTER_PORT), and --master-addr of node 0")
         port = find_free_port()
+    if not addr:
+        if args.nodes > 1 and args.nr > 0:
+            raise LaunchError(f"with --nodes {args.nodes}, node {args.nr} must be told where "
+                              "node 0 is: --master-addr ADDR (or MASTER_ADDR); 127.0.0.1 "
+                              "would wait for a rendezvous on this machine itself")
+        addr = "127.0.0.1"
     if not 0 < int(port) < 65536:
         raise LaunchError(f"--master-port must be 1..65535, got {port}")
     return addr, int(port)
@@ -265,52 +286,87 @@ def _guarded(local_rank: int, fn: Callable, args: argparse.Namespace) -> None:
         fn(local_rank, args)
 
 
-def spawn(fn: Callable, args: argparse.Namespace) -> None:
-    """Start ``fn(local_rank, args)`` in ``args.gpus`` processes, after checking the launch.
-
-    If one process fails, ``mp.spawn`` stops the others; a rank that already printed its
-    ``error:`` line (exit 2) ends the launcher with exit 2 too.
-    """
-    import torch.multiprocessing as mp
-
-    world_size = check_launch(args.nodes, args.gpus, args.nr, args.device)
-    chosen = args.master_port is None and "MASTER_PORT" not in os.environ
-    os.environ["MASTER_ADDR"], port = resolve_master(args)
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ[_PORT_CHOSEN] = "1" if chosen else "0"
-    # c10d's C++ retry warnings (with stack frames) would bury the one-line errors.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    first = args.nr * args.gpus
-    print(f"node {args.nr} of {args.nodes}: starting {args.gpus} process(es), global ranks "
-          f"{first}..{first + args.gpus - 1} of {world_size}; rendezvous at "
-          f"{os.environ['MASTER_ADDR']}:{port}", flush=True)
-    for attempt in range(1, PORT_TRIES + 1):
-        try:
-            mp.spawn(_guarded, args=(fn, args), nprocs=args.gpus, join=True)
-            return
-        except mp.ProcessExitedException as exc:
-            if exc.exit_code == PORT_TAKEN and attempt == PORT_TRIES:
-                raise LaunchError(f"rank 0 could not listen on {PORT_TRIES} free ports in a row: "
-                                  "another program takes them; give one with --master-port"
-                                  ) from None
-            if exc.exit_code != PORT_TAKEN:
-                _launch_failed(exc)
-            taken, port = port, find_free_port()
-            os.environ["MASTER_PORT"] = str(port)
-            print(f"note: port {taken} was taken before rank 0 could listen on it; starting "
-                  f"again on port {port}", flush=True)
-        except mp.ProcessRaisedException as exc:
-            _launch_failed(exc)
-
-
-def _launch_failed(exc) -> None:
+def _port_taken(exc: BaseException) -> bool:
+    """Whether a spawned process failed because rank 0 could not listen on the port."""
     import torch.multiprocessing as mp
 
     if isinstance(exc, mp.ProcessExitedException):
+        return exc.exit_code == PORT_TAKEN
+    text = str(exc).lower()
+    return "failed to listen" in text or "address already in use" in text
+
+
+def with_free_port(launch: Callable[[argparse.Namespace], object]
+                   ) -> Callable[[argparse.Namespace], None]:
+    """Lesson 03's launch (``launch(args)`` sets MASTER_ADDR/MASTER_PORT and calls
+    ``mp.spawn``), with the checks and the polish around it.
+
+    Before: the layout is checked (:func:`check_launch`), ``args.master_addr`` and
+    ``args.master_port`` are filled in (:func:`resolve_master`: on one node a free port), and
+    one line says which ranks start where. After: a process that failed becomes one
+    ``error:`` line naming it. A free port found here is bound by rank 0 seconds later, and
+    another program can take it in between: only for a port chosen here, ``launch`` then runs
+    again on a new one (a port the user gave is never changed).
+    """
+    import torch.multiprocessing as mp
+
+    def launcher(args: argparse.Namespace) -> None:
+        world_size = check_launch(args.nodes, args.gpus, args.nr, args.device)
+        chosen = args.master_port is None and "MASTER_PORT" not in os.environ
+        args.master_addr, args.master_port = resolve_master(args)
+        os.environ[_PORT_CHOSEN] = "1" if chosen else "0"
+        # c10d's C++ retry warnings (with stack frames) would bury the one-line errors.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        first = args.nr * args.gpus
+        print(f"node {args.nr} of {args.nodes}: starting {args.gpus} process(es), global ranks "
+              f"{first}..{first + args.gpus - 1} of {world_size}; rendezvous at "
+              f"{args.master_addr}:{args.master_port}", flush=True)
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                launch(args)
+                return
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+                if not (chosen and _port_taken(exc)):
+                    _launch_failed(exc, args.nr)
+                if attempt == PORT_TRIES:
+                    raise LaunchError(f"rank 0 could not listen on {PORT_TRIES} free ports in "
+                                      "a row: another program takes them; give one with "
+                                      "--master-port") from None
+                taken, args.master_port = args.master_port, find_free_port()
+                print(f"note: port {taken} was taken before rank 0 could listen on it; "
+                      f"starting again on port {args.master_port}", flush=True)
+
+    return launcher
+
+
+def spawn(fn: Callable, args: argparse.Namespace) -> None:
+    """Start ``fn(local_rank, args)`` in ``args.gpus`` processes through :func:`with_free_port`;
+    an expected failure in a process prints its own ``error:`` line there (exit 2)."""
+    import torch.multiprocessing as mp
+
+    def launch(args: argparse.Namespace) -> None:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = (args.master_addr,
+                                                                str(args.master_port))
+        mp.spawn(_guarded, args=(fn, args), nprocs=args.gpus, join=True)
+
+    with_free_port(launch)(args)
+
+
+def _launch_failed(exc, node: int = 0) -> None:
+    import torch.multiprocessing as mp
+
+    who = f"process {exc.error_index} of node {node}"
+    if isinstance(exc, mp.ProcessExitedException):
         if exc.exit_code == 2:  # the rank printed its error line already
             raise SystemExit(2) from None
-        raise LaunchError(f"process {exc.error_index} died with exit code {exc.exit_code}; "
-                          "the other processes were stopped") from None
-    raise LaunchError(f"process {exc.error_index} failed: "
-                      f"{str(exc).strip().splitlines()[-1]}; the other processes were "
-                      "stopped") from None
+        raise LaunchError(f"{who} died with exit code {exc.exit_code}; the other processes "
+                          "were stopped") from None
+    last = str(exc).strip().splitlines()[-1]
+    kind, _, message = last.partition(": ")
+    name = kind.rsplit(".", 1)[-1]
+    if name in ("DistNetworkError", "DistStoreError"):
+        message = (f"lost or never reached the rendezvous at {os.environ.get('MASTER_ADDR')}:"
+                   f"{os.environ.get('MASTER_PORT')} ({message[:100]})")
+    elif not message or name not in {e.__name__ for e in (*EXPECTED, LaunchError)}:
+        message = last  # an unexpected error keeps its type
+    raise LaunchError(f"{who}: {message}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEVICE_CHOICES = ("auto", "cuda", "mps", "cpu")
@@ -60,9 +62,46 @@ def pick_device(requested: str | None = "auto", *, distributed: bool = False) ->
     return torch.device(requested)
 
 
+SHARE_GPU_VAR = "DPT_SHARE_GPU"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def shares_gpu() -> bool:
+    """Whether the ranks of this machine share its GPUs (``DPT_SHARE_GPU=1`` and CUDA is there).
+
+    NCCL refuses two ranks on one GPU, so one GPU normally means one rank. With
+    ``DPT_SHARE_GPU=1`` any number of ranks run on a machine's GPUs: local rank r uses
+    ``cuda:(r % torch.cuda.device_count())`` (:func:`gpu_for`) and the backend is gloo, which
+    takes CUDA tensors. A one-GPU machine then runs multi-rank code with its tensors on the GPU,
+    and a tensor left on the wrong device shows. Without CUDA the variable changes nothing.
+    """
+    value = os.environ.get(SHARE_GPU_VAR, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise DeviceError(f"{SHARE_GPU_VAR}={os.environ[SHARE_GPU_VAR]!r} is neither 1 nor 0: "
+                          "set it to 1 to let several ranks share a GPU, or unset it")
+    return value in _ON and torch.cuda.is_available()
+
+
+def gpu_for(local_rank: int) -> torch.device:
+    """The GPU of process ``local_rank`` of this machine: its own one, or under
+    :func:`shares_gpu` GPU ``local_rank % device_count`` (several ranks per GPU)."""
+    count = torch.cuda.device_count()
+    if shares_gpu():
+        return torch.device("cuda", local_rank % max(1, count))
+    if local_rank >= count:
+        raise DeviceError(f"local rank {local_rank} needs GPU {local_rank}, but this machine has "
+                          f"{count}; start fewer processes per node (or set {SHARE_GPU_VAR}=1 "
+                          "to let ranks share a GPU, with gloo)")
+    return torch.device("cuda", local_rank)
+
+
 def backend_for(device: torch.device | str) -> str:
-    """NCCL for CUDA, gloo for everything else (NCCL is not built on CPU-only or Mac wheels)."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """NCCL for CUDA, gloo for everything else (NCCL is not built on CPU-only or Mac wheels).
+
+    Ranks sharing a GPU (:func:`shares_gpu`) use gloo on CUDA too: NCCL refuses two ranks on
+    one GPU, gloo does not.
+    """
+    return "nccl" if torch.device(device).type == "cuda" and not shares_gpu() else "gloo"
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -1,8 +1,9 @@
 """Process-group plumbing every multi-process lesson shares.
 
-Lessons 03 and 04 join the group through :func:`setup` (what they teach is who each process
-is: its global rank, and where that comes from); later lessons call it too. Nothing in this
-module hard-codes a port.
+Lessons 03 and 04 join the group themselves (``dist.init_process_group``) after a one-line
+:func:`preflight` (threads, GPU, the ranks' agreement on the backend); later lessons and the
+tests join through :func:`setup`, which does all of it. Nothing in this module hard-codes a
+port.
 """
 
 from __future__ import annotations
@@ -10,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from dpt.device import DeviceError, backend_for, mps_note, pick_device
+from dpt.device import (
+    backend_for,
+    gpu_for,
+    mps_note,
+    pick_device,
+    shares_gpu,
+)
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DPT_DIST_TIMEOUT", "120"))
 
@@ -115,9 +123,13 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
 
     Missing arguments come from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE). The backend follows the device (NCCL for CUDA, gloo otherwise); on
-    CUDA, process ``local_rank`` of a machine uses its GPU ``local_rank``; the CPU threads are
-    split among the ``local_world_size`` processes of the machine. MASTER_ADDR defaults to
-    localhost; MASTER_PORT must have been chosen by the launcher, one port for every rank.
+    CUDA, process ``local_rank`` of a machine uses its GPU ``local_rank`` (with
+    ``DPT_SHARE_GPU=1``: GPU ``local_rank % device_count``, under gloo, see
+    :func:`shares_gpu`); the CPU threads are split among the ``local_world_size`` processes of
+    the machine. MASTER_ADDR defaults to localhost; MASTER_PORT must have been chosen by the
+    launcher, one port for every rank. Before the group is made, the ranks check that they
+    all chose the same backend (:func:`agree_on_backend`): a node without a GPU among GPU
+    nodes is one clear error on every rank, not a hang.
     """
     rank = env_int("RANK") if rank is None else rank
     world_size = env_int("WORLD_SIZE") if world_size is None else world_size
@@ -128,22 +140,152 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
     if note:
         print(note, flush=True)
     if dev.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise DeviceError(f"local rank {local_rank} needs GPU {local_rank}, but this machine "
-                              f"has {torch.cuda.device_count()}; start fewer processes per node")
-        dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
+        dev = gpu_for(local_rank)
+    backend = backend_for(dev)
     set_threads(threads or threads_per_rank(local_world))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))  # as torchrun would (mp.spawn does not)
+    os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun would (mp.spawn does not)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
                           "ranks (dpt.dist.find_free_port() gives a free one)")
-    if not dist.is_initialized():
-        dist.init_process_group(backend_for(dev), rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+    if dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
+    timeout = timedelta(seconds=timeout_s)
+    store = rendezvous_store(rank, world_size, timeout_s)
+    agree_on_backend(store, rank, world_size, backend, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    # as init_process_group("env://") would do with the store it makes itself
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout,
+                            device_id=dev if backend == "nccl" else None)
     return dev
+
+
+_PREFLIGHT_STORE: list = []  # rank 0's store, alive until init_process_group reuses it
+
+
+def preflight(args, rank: int, world_size: int, local_rank: int, local_world_size: int,
+              device: torch.device, backend: str) -> None:
+    """What a rank does right before its own ``dist.init_process_group(backend, ...)``.
+
+    This process gets its share of the CPU threads (``args.threads``, or the cores split among
+    the ``local_world_size`` processes of this machine), its GPU is made the current one, and
+    the ranks check that they all chose the same backend (:func:`agree_on_backend`): a node
+    without a GPU among GPU nodes is one clear error on every rank instead of a hang. They meet
+    on the store at MASTER_ADDR:MASTER_PORT that ``init_process_group`` then uses too (rank 0
+    keeps it open; a TCPStore on the same port in the same process is shared).
+    """
+    device = torch.device(device)
+    note = mps_note(device) if rank == 0 else None
+    if note:
+        print(note, flush=True)
+    set_threads(getattr(args, "threads", None) or threads_per_rank(local_world_size))
+    os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun would (mp.spawn does not)
+    if "MASTER_PORT" not in os.environ:
+        raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
+                          "ranks (dpt.dist.find_free_port() gives a free one)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = rendezvous_store(rank, world_size, getattr(args, "timeout", DEFAULT_TIMEOUT_S))
+    _PREFLIGHT_STORE[:] = [store]
+    agree_on_backend(store, rank, world_size, backend, device)
+
+
+def rendezvous_store(rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+                     ) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT that ``init_process_group("env://")`` would make.
+
+    Rank 0 hosts it (or, under torchrun, its agent does); the other ranks connect to it.
+    Pass it to :func:`agree_on_backend`, then to ``init_process_group`` as
+    ``store=dist.PrefixStore("default_pg", store)``: the group then meets on the same port.
+    A port another program holds fails here on rank 0 ("failed to listen").
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+_AGREEMENTS = [0]  # how many times this process has agreed: a key space per round
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
+    spans, first = [], ranks[0]
+    for prev, cur in zip(ranks, [*ranks[1:], None]):
+        if cur != prev + 1:
+            spans.append(str(first) if first == prev else f"{first}-{prev}")
+            first = cur
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
+def _what_they_use(backend: str, device_types: set[str], many: bool) -> str:
+    s = "" if many else "s"
+    if backend == "nccl":
+        return f"use{s} NCCL on {'GPUs' if many else 'a GPU'}"
+    if device_types == {"cpu"}:
+        return f"run{s} on the CPU with gloo (no GPU there, or --device cpu)"
+    if device_types == {"cuda"}:
+        return f"share{s} GPUs with gloo (DPT_SHARE_GPU=1)"
+    return f"use{s} {backend}"
+
+
+def backend_mismatch(choices: dict[int, tuple[str, str]]) -> str | None:
+    """One line naming which ranks chose which backend, or None when they all agree.
+
+    ``choices`` maps each rank to its (backend, device type).
+    """
+    by_backend: dict[str, list[int]] = {}
+    for rank in sorted(choices):
+        by_backend.setdefault(choices[rank][0], []).append(rank)
+    if len(by_backend) < 2:
+        return None
+    groups = sorted(by_backend.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    parts = [f"{_ranks_text(ranks)} "
+             + _what_they_use(backend, {choices[r][1] for r in ranks}, len(ranks) > 1)
+             for backend, ranks in groups]
+    hint = "pass --device cpu on every node, or give every node a GPU"
+    if any(choices[r] == ("gloo", "cuda") for r in choices):
+        hint += ", and set DPT_SHARE_GPU the same on every node"
+    # the minority first, as in "rank 2 runs on the CPU while ranks 0-1 use NCCL"
+    return (f"the ranks disagree on the backend: {' while '.join(reversed(parts))}; they must "
+            f"all use the same one: {hint}")
+
+
+def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str,
+                     device: torch.device | str, grace_s: float = 10.0) -> None:
+    """Check, before joining, that every rank chose the same backend; raise if not.
+
+    With ``--device auto`` each machine picks its own device, so a node without a GPU would
+    join with gloo while the others use NCCL: a hang, or an obscure failure inside the first
+    collective. Here each rank writes its (backend, device type) to ``store`` (from
+    :func:`rendezvous_store`) and reads everyone's; a mismatch raises :class:`LaunchError`
+    on every rank, with one line naming which ranks use which. Before raising, a rank waits
+    (at most ``grace_s`` seconds) until every rank has read the choices, so that no rank
+    loses the store (hosted by rank 0) before it knows why. Waits for missing ranks as long
+    as the store's timeout.
+    """
+    _AGREEMENTS[0] += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives us
+    space = dist.PrefixStore(f"dpt_backend/{restart}/{_AGREEMENTS[0]}/", store)
+    space.set(str(rank), f"{backend} {torch.device(device).type}")
+    keys = [str(r) for r in range(world_size)]
+    space.wait(keys)
+    values = (space.multi_get(keys) if hasattr(space, "multi_get")  # one round trip
+              else [space.get(key) for key in keys])
+    choices = {r: tuple(value.decode().split()) for r, value in enumerate(values)}
+    problem = backend_mismatch(choices)
+    if problem is None:
+        return
+    space.add("read", 1)
+    deadline = time.monotonic() + grace_s
+    while space.add("read", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise LaunchError(problem)
 
 
 def cleanup() -> None:
@@ -183,11 +325,16 @@ def rank_device() -> torch.device:
     """The device this rank's tensors and modules belong on, decided in one place.
 
     Under NCCL, which takes only CUDA tensors, the GPU this process was pinned to
-    (``torch.cuda.set_device(local_rank)``); under gloo, or outside a process group, the CPU.
-    Rank functions call this instead of assuming a device.
+    (``torch.cuda.set_device(local_rank)``). Under gloo with ranks sharing the GPUs
+    (``DPT_SHARE_GPU=1``, :func:`shares_gpu`), local rank r's GPU ``r % device_count``. Under
+    gloo otherwise, or outside a process group, the CPU. Rank functions call this instead of
+    assuming a device.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        if shares_gpu():
+            return gpu_for(env_int("LOCAL_RANK", dist.get_rank()))
     return torch.device("cpu")
 
 

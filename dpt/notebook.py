@@ -142,29 +142,148 @@ def _shown(path: Path) -> Path:
     return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
 
 
-@contextlib.contextmanager
-def needs_tasks():
-    """Run a notebook cell; when it reaches a task not done yet, say which one and move on.
+def dataset_label(name: str) -> str:
+    """How a title or a printed line names dataset ``name``: "fashion-mnist" -> "Fashion-MNIST".
 
-    ``with needs_tasks(): ...`` around a cell's code lets a student with half a lesson done run
-    the notebook to the end: cells whose tasks are done show their results, the others print
-    ``skipped: this cell needs Task NN.K`` instead of a traceback. A later cell that uses what a
-    skipped cell would have made (a NameError, KeyError, IndexError or FileNotFoundError after
-    a skip) is skipped too, naming that task; before any skip those errors are raised as usual.
+    Take ``name`` from what the run was given (its ``--dataset``, the data module's
+    ``dataset``), so that a label says what ran."""
+    from dpt.data import dataset_info
+
+    dataset_info(name)  # an unknown name is a ValueError naming the choices
+    return "-".join(w.upper() if w == "mnist" else w.capitalize() for w in name.split("-"))
+
+
+class MissingGPUs(Exception):
+    """A notebook cell needs more GPUs than this machine has (see :func:`needs_gpus`)."""
+
+    def __init__(self, needed: int, have: int):
+        self.needed = needed
+        super().__init__(f"skipped: this cell needs {gpus_text(needed)}, this machine has "
+                         f"{have or 'none'}")
+
+
+def gpus_text(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
+def gpu_count() -> int:
+    """CUDA GPUs this kernel can use: 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(n: int) -> None:
+    """Stop a cell that needs ``n`` GPUs on a machine with fewer.
+
+    Inside ``with needs_tasks():`` the cell then prints one line, ``skipped: this cell needs
+    2 GPUs, this machine has 1``, and the notebook goes on; a later cell that uses what the
+    skipped cell would have made is skipped too.
     """
+    have = gpu_count()
+    if have < n:
+        raise MissingGPUs(n, have)
+
+
+def ranks_device(n: int, *, share: bool = True) -> str:
+    """Where ``n`` ranks started from a notebook compute: ``"cuda"`` or ``"cpu"``.
+
+    The GPUs when there is one per rank (NCCL), as ``run_distributed(backend="auto")``
+    decides; ``DPT_TEST_BACKEND=gloo`` keeps the ranks on the CPU. With ``DPT_SHARE_GPU=1``
+    the ranks share the GPUs (gloo), when ``share`` allows it: Lightning and Fabric put NCCL
+    on CUDA, which refuses two ranks on one GPU, so pass ``share=False`` for them.
+    Otherwise the CPU, with gloo.
+    """
+    from dpt.device import shares_gpu
+
+    have = gpu_count()
+    if have == 0:
+        return "cpu"
+    if share and shares_gpu():
+        return "cuda"
+    forced = os.environ.get("DPT_TEST_BACKEND", "auto")
+    return "cuda" if have >= n and forced in ("", "auto", "nccl") else "cpu"
+
+
+def fork_blocker() -> str | None:
+    """Why this kernel must not fork ranks now, or None when it may.
+
+    Lightning's ``ddp_notebook`` forks the kernel. CUDA does not survive a fork: once anything
+    in the kernel initialised it (a tensor on the GPU, or a Lightning ``fit`` on a GPU machine,
+    even with ``accelerator="cpu"``: it saves the CUDA random state around its sanity check),
+    a forked rank that touches CUDA fails with "Cannot re-initialize CUDA in forked
+    subprocess", and only a kernel restart undoes it.
+    """
+    import torch
+
+    if torch.cuda.is_initialized():
+        return ("CUDA is already initialised in this kernel, and a forked process cannot use "
+                "it: restart the kernel and run this cell before any other training cell")
+    return None
+
+
+TASK_ID = re.compile(r"\d\d\.\d+[a-z]?")
+# What every ``needs_tasks`` block of this kernel did, in order: the tasks it names, and the
+# reason it was skipped ("Task 05.6", "2 GPUs") or None when it ran to the end.
+BLOCKS: list[dict] = []
+
+
+def _task_names(tasks: tuple[str, ...]) -> list[str]:
+    names = []
+    for task in tasks:
+        bare = task.removeprefix("Task ") if isinstance(task, str) else task
+        if not isinstance(bare, str) or not TASK_ID.fullmatch(bare):
+            raise ValueError(f"error: needs_tasks({task!r}): name a task by its number, "
+                             "like needs_tasks(\"05.2\", \"05.3\")")
+        names.append(f"Task {bare}")
+    return names
+
+
+@contextlib.contextmanager
+def needs_tasks(*tasks: str):
+    """Run a block of a notebook cell; when it reaches a task not done yet, say which one and
+    move on.
+
+    ``with needs_tasks("05.2", "05.3"): ...`` names the tasks the block uses: those its code
+    calls, and those of the earlier cells whose results it reads. It lets a student with half
+    a lesson done run the notebook to the end: blocks whose tasks are done show their results,
+    the others print ``skipped: this cell needs Task NN.K`` instead of a traceback. One block
+    per method compared keeps a cell useful before its last task is done.
+
+    A later block that uses what a skipped block would have made is skipped too, naming that
+    task: any error of a block that names a task already found not done here, or a NameError,
+    KeyError, IndexError or FileNotFoundError after any skip. Before any skip those errors are
+    raised as usual. A block that runs to the end marks its tasks done again, so a cell re-run
+    after you solved the task starts afresh.
+    """
+    wanted = _task_names(tasks)
+    record = {"tasks": wanted, "skipped": None}
+    BLOCKS.append(record)
     try:
         yield
+    except MissingGPUs as exc:
+        record["skipped"] = gpus_text(exc.needed)
+        _SKIPPED.append(record["skipped"])
+        print(exc)
     except Exception as exc:  # noqa: BLE001 - re-raised unless it is a pending task
         task = pending_task(exc)
-        if task is None and isinstance(exc, DEPENDENT) and _SKIPPED:
-            # what an earlier skipped cell would have made is missing
-            task = _SKIPPED[0]
-            print(f"skipped: this cell needs {task} (it uses what an earlier skipped cell "
-                  f"makes: {type(exc).__name__}: {exc})")
-            return
+        if task is None and _SKIPPED:
+            # what an earlier skipped block would have made is missing, or is half made (an
+            # empty history, a model nobody trained)
+            earlier = [t for t in wanted if t in _SKIPPED]
+            if earlier or isinstance(exc, DEPENDENT):
+                record["skipped"] = (earlier or _SKIPPED)[0]
+                print(f"skipped: this cell needs {record['skipped']} (it uses what an earlier "
+                      f"skipped cell makes: {type(exc).__name__}: {str(exc)[:200]})")
+                return
         if task is None:
             raise
+        record["skipped"] = task
         if task not in _SKIPPED:
             _SKIPPED.append(task)
         print(f"skipped: this cell needs {task}, which is not done yet. Solve it in your "
               "exercises/ folder, then re-run this cell.")
+    else:
+        for task in wanted:
+            while task in _SKIPPED:
+                _SKIPPED.remove(task)

@@ -71,27 +71,41 @@ def slowed(owner, name: str, seconds: float = 1.5):
 FAILED_ON_PURPOSE = "training failed on purpose"
 
 
-def run_leaving_the_group(run, fail: bool) -> dict:
-    """In a rank process: call ``run()`` (a lesson's ``run``, which joins the group itself)
-    with ``dpt.cli.train_and_evaluate`` replaced by a stand-in that returns or, with ``fail``,
-    raises. Returns whether the process had left the process group afterwards (``left``) and
-    the stand-in's error if ``run`` let it through (``raised``). Any other error propagates,
-    so a stub's NotImplementedError fails the test with its task's message."""
+TRAINING_ARGS = dict(deterministic=False, dataset="fashion-mnist", train_limit=None,
+                     test_limit=None, batch_size=4, seed=0, model="mlp", lr=0.01, save_every=1,
+                     progress=False, epochs=1, limit_batches=None)
+
+
+def run_leaving_the_group(run, fail: bool, mod) -> dict:
+    """In a rank process: call ``run()`` (a lesson's ``main``, which joins the group itself)
+    with the lesson's data and ``Trainer`` (in module ``mod``) replaced by stand-ins whose
+    training returns or, with ``fail``, raises. Returns whether the process had left the
+    process group afterwards (``left``) and the stand-in's error if ``run`` let it through
+    (``raised``). Any other error propagates, so a stub's NotImplementedError fails the test
+    with its task's message."""
+    import torch
     import torch.distributed as dist
 
-    import dpt.cli
+    class FakeTrainer:
+        def __init__(self, model, *args, **kwargs):
+            self.model, self.history = model, []
 
-    def fake_train_and_evaluate(*args, **kwargs):
-        # A collective, as training has: gloo's init_process_group can return on one rank
-        # before the other has finished connecting, and a rank that left at once would then
-        # break the other's connection ("Connection closed by peer").
-        dist.barrier()
-        if fail:
-            raise RuntimeError(FAILED_ON_PURPOSE)
-        return {"accuracy": 1.0}
+        def train(self, *args):
+            # A collective, as training has: gloo's init_process_group can return on one rank
+            # before the other has finished connecting, and a rank that left at once would
+            # then break the other's connection ("Connection closed by peer").
+            dist.barrier()
+            if fail:
+                raise RuntimeError(FAILED_ON_PURPOSE)
+            return []
 
-    real = dpt.cli.train_and_evaluate
-    dpt.cli.train_and_evaluate = fake_train_and_evaluate
+    fakes = {"Trainer": FakeTrainer, "prepare_distributed": lambda *a, **k: None,
+             "load_tensors": lambda *a, **k: (torch.zeros(8, 1, 28, 28),
+                                              torch.zeros(8, dtype=torch.long)),
+             "evaluate": lambda *a, **k: (1, 1)}
+    real = {name: getattr(mod, name) for name in fakes}
+    for name, fake in fakes.items():
+        setattr(mod, name, fake)
     raised = None
     try:
         run()
@@ -100,7 +114,8 @@ def run_leaving_the_group(run, fail: bool) -> dict:
             raise
         raised = str(exc)
     finally:
-        dpt.cli.train_and_evaluate = real
+        for name, value in real.items():
+            setattr(mod, name, value)
     left = not dist.is_initialized()
     if not left:  # leave anyway, so that the launcher does not hang on a half-closed group
         dist.destroy_process_group()
@@ -114,7 +129,7 @@ def assert_every_rank_left_the_group(results: list[dict], fail: bool, who: str) 
             assert r["raised"] == FAILED_ON_PURPOSE, (
                 f"rank {rank}: run must let the training's error through, got {r['raised']!r}")
         assert r["left"], (
-            f"rank {rank} was still in the process group after run() "
+            f"rank {rank} was still in the process group after main() "
             f"{'raised' if fail else 'returned'}: call dist.destroy_process_group() in a "
             f"finally block, so the {who} leaves the group whatever happens")
 

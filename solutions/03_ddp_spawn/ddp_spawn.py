@@ -14,28 +14,28 @@ processes itself with ``mp.spawn``, one per device, and each works out its place
 Run it, from the repository root, on your own tree::
 
     python exercises/03_ddp_spawn/ddp_spawn.py -g 2 --epochs 1
-    # two "nodes" on one machine: two terminals, the same port, -nr 0 and -nr 1. Each
-    # "node" sees its own GPU (on a CPU-only machine CUDA_VISIBLE_DEVICES changes nothing):
+    # two "nodes" on one machine: two terminals, the same port, -nr 0 and -nr 1; node 1 is
+    # told where node 0 is. Each "node" sees its own GPU (on a CPU-only machine
+    # CUDA_VISIBLE_DEVICES changes nothing):
     CUDA_VISIBLE_DEVICES=0 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 \\
         --master-port 29533 --threads 1
     CUDA_VISIBLE_DEVICES=1 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 \\
-        --master-port 29533 --threads 1
+        --master-addr 127.0.0.1 --master-port 29533 --threads 1
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
-
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,24 +43,46 @@ from torch.utils.data import DistributedSampler
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
-from dpt.dist import rank0_print, setup
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.device import gpu_for, pick_device, shares_gpu
+from dpt.dist import preflight, rank0_print
+from dpt.models import build_model
 
 
 def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
     """Join the job as process ``local_rank`` of machine ``args.nr``.
 
     ``args.nodes`` machines each start ``args.gpus`` processes; the ranks are numbered machine
-    after machine. Returns ``(rank, world_size, device)``; ``dpt.dist.setup`` does the joining
-    (backend, device, CPU threads) once it knows who this process is.
+    after machine. Returns ``(rank, world_size, device)``.
     """
-    # BEGIN SOLUTION 03.1: who is this process in the whole job? Then join the group
+    # BEGIN SOLUTION 03.1: who is this process in the whole job?
     rank = args.nr * args.gpus + local_rank
     world_size = args.nodes * args.gpus
-    device = setup(rank, world_size, local_rank, args.device, timeout_s=args.timeout,
-                   threads=args.threads, local_world_size=args.gpus)
-    return rank, world_size, device
     # END SOLUTION
+    device = join_group(rank, world_size, local_rank, args.gpus, args)
+    return rank, world_size, device
+
+
+def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
+               args) -> torch.device:
+    """Join the process group as ``rank`` of ``world_size``; return this process's device.
+
+    The launcher has set MASTER_ADDR and MASTER_PORT: where rank 0 waits for the others. On
+    GPUs (``--device auto`` on a machine with GPUs, or ``cuda``) process ``local_rank`` of its
+    machine uses GPU ``local_rank`` (``gpu_for``), with NCCL; otherwise the CPU, with gloo
+    (gloo also when ``DPT_SHARE_GPU=1`` lets ranks share a GPU, which NCCL refuses).
+    ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
+    machine and checks that every rank chose the same backend, before anyone waits.
+    """
+    # BEGIN SOLUTION 03.6: the device, the backend that goes with it, then join the group
+    on_gpus = pick_device(args.device, distributed=True).type == "cuda"
+    device = gpu_for(local_rank) if on_gpus else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" and not shares_gpu() else "gloo"
+    preflight(args, rank, world_size, local_rank, local_world_size, device, backend)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    # END SOLUTION
+    return device
 
 
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
@@ -202,14 +224,42 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     # END SOLUTION
 
 
-def run(local_rank: int, args) -> dict:
-    """What each process of the job does (``mp.spawn`` calls it), from joining to leaving."""
+def main(local_rank: int, args) -> dict:
+    """One process of the job (``mp.spawn`` starts it): join, build, train, test, leave.
+
+    Returns ``{"accuracy", "seconds", "history"}`` (the loss of every step).
+    """
     rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                      checkpoint_path=args.checkpoint, resume_from=args.resume)
+        cli.deterministic(args.deterministic)
+        prepare_distributed(args.dataset)  # one process per machine unpacks the data
+        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                          args.checkpoint, args.progress, resume_from=args.resume)
+        rank0_print(cli.describe(args, device))
+        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+        correct, total = evaluate(trainer.model, test_data, device)
+        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
+        # BEGIN SOLUTION 03.6: leave the group, whatever happened
         dist.destroy_process_group()
+        # END SOLUTION
+
+
+def launch(args) -> None:
+    """Start this machine's ``args.gpus`` processes, each running :func:`main`, and wait."""
+    # BEGIN SOLUTION 03.7: tell the processes where rank 0 waits, then start them
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    mp.spawn(main, args=(args,), nprocs=args.gpus)
+    # END SOLUTION
 
 
 def build_parser():
@@ -220,4 +270,5 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(lambda args: cli.spawn(run, args), build_parser()))
+    # with_free_port: check -n/-g/-nr, choose the port, one error line if a process fails
+    sys.exit(cli.main(cli.with_free_port(launch), build_parser()))

@@ -14,7 +14,7 @@ plus what that takes (``CHANGES.diff``), as ``multigpu_torchrun.py`` grows from
 Run it, from the repository root, on your own tree (``torchrun`` is
 ``python -m torch.distributed.run``)::
 
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarts with gloo on torch 2.14 need it
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarts need it (README: Common errors)
     torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
         exercises/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt
     # stop it (or kill one worker) mid-run, run the same command again: it resumes.
@@ -22,15 +22,12 @@ Run it, from the repository root, on your own tree (``torchrun`` is
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,8 +39,18 @@ from torch.utils.data import DistributedSampler
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
-from dpt.dist import LaunchError, TorchrunEnv, barrier, get_rank, get_world_size, rank0_print, setup
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.device import gpu_for, pick_device, shares_gpu
+from dpt.dist import (
+    LaunchError,
+    TorchrunEnv,
+    barrier,
+    get_rank,
+    get_world_size,
+    preflight,
+    rank0_print,
+)
+from dpt.models import build_model
 
 
 def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
@@ -70,9 +77,31 @@ def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
 def ddp_setup(args) -> tuple[int, int, torch.device]:
     """Join the job as the process torchrun says this is: ``(rank, world_size, device)``."""
     env = torchrun_env()
-    device = setup(env.rank, env.world_size, env.local_rank, args.device, timeout_s=args.timeout,
-                   threads=args.threads, local_world_size=env.local_world_size)
+    device = join_group(env.rank, env.world_size, env.local_rank, env.local_world_size, args)
     return env.rank, env.world_size, device
+
+
+# CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
+def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
+               args) -> torch.device:
+    """Join the process group as ``rank`` of ``world_size``; return this process's device.
+
+    The launcher has set MASTER_ADDR and MASTER_PORT: where rank 0 waits for the others. On
+    GPUs (``--device auto`` on a machine with GPUs, or ``cuda``) process ``local_rank`` of its
+    machine uses GPU ``local_rank`` (``gpu_for``), with NCCL; otherwise the CPU, with gloo
+    (gloo also when ``DPT_SHARE_GPU=1`` lets ranks share a GPU, which NCCL refuses).
+    ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
+    machine and checks that every rank chose the same backend, before anyone waits.
+    """
+    # BEGIN SOLUTION 03.6: copy your answer from lesson 03
+    on_gpus = pick_device(args.device, distributed=True).type == "cuda"
+    device = gpu_for(local_rank) if on_gpus else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" and not shares_gpu() else "gloo"
+    preflight(args, rank, world_size, local_rank, local_world_size, device, backend)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout))
+    # END SOLUTION
+    return device
 
 
 # CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
@@ -102,7 +131,11 @@ class Trainer:
         self.progress = progress
         self.epochs_run = 0  # epochs finished: train() continues from here
         self.history: list[float] = []  # the loss of every step, for the loss curve
-        if snapshot_path and os.path.exists(snapshot_path):
+        # Whether to resume is one decision, rank 0's, for every rank: ranks that each looked
+        # could disagree (a snapshot written between two looks) and hang. Every rank then reads
+        # the file from its own disk: without a filesystem that all nodes share, copy the
+        # snapshot to every node before a restart.
+        if snapshot_path and ckpt.exists_on_rank_0(snapshot_path):
             # BEGIN SOLUTION 04.5: resume where the snapshot left off
             info = load_snapshot(snapshot_path, self.model, self.optimizer, device)
             self.epochs_run = info["epoch"]
@@ -110,6 +143,7 @@ class Trainer:
             rank0_print(f"resumed from snapshot {snapshot_path} at epoch {self.epochs_run}"
                         + ("" if info["exact"] else " (another world size: not bit for bit)"))
             # END SOLUTION
+            ckpt.check_same_epoch(self.epochs_run, snapshot_path)  # no node had an old copy
         # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -260,14 +294,33 @@ def load_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     # END SOLUTION
 
 
-def run(args) -> dict:
-    """What each process of the job does (torchrun starts it), from joining to leaving."""
+def main(args) -> dict:
+    """One worker of the job (torchrun starts it): join, build, train, test, leave.
+
+    Returns ``{"accuracy", "seconds", "history"}`` (the loss of every step).
+    """
     rank, world_size, device = ddp_setup(args)
     try:
-        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                      snapshot_path=args.snapshot)
+        cli.deterministic(args.deterministic)
+        prepare_distributed(args.dataset)  # one process per machine unpacks the data
+        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                          args.snapshot, args.progress)
+        rank0_print(cli.describe(args, device))
+        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+        correct, total = evaluate(trainer.model, test_data, device)
+        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
+        # BEGIN SOLUTION 03.6: copy your answer from lesson 03
         dist.destroy_process_group()
+        # END SOLUTION
 
 
 def build_parser():
@@ -277,4 +330,4 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(run, build_parser()))
+    sys.exit(cli.main(main, build_parser()))

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 from tests.gpu import rank_fns
 from tests.lessons import load
 

@@ -1,4 +1,4 @@
-"""The README's Colab recipe, checked as far as this machine can: its commands, and the device
+"""The Colab recipe of docs/machines.md, checked as far as this machine can: its commands, and the device
 choice on Colab's one GPU with two ranks."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import pytest
 import torch
 
 import dpt.device
-from dpt import testing
+from dpt import ranks
 from dpt.device import pick_device
 from tests.lessons import REPO
 
 
 def _recipe() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Colab"):]
+    text = (REPO / "docs" / "machines.md").read_text()
+    section = text[text.index("## Colab"):]
     block = re.search(r"```python\n(.*?)```", section, re.S)
-    assert block, "the README's Colab section has no setup cell"
+    assert block, "the Colab section of docs/machines.md has no setup cell"
     return [line.strip() for line in block.group(1).splitlines()
             if line.strip() and not line.strip().startswith("#")]
 
@@ -54,12 +54,43 @@ def colab(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(dpt.device, "mps_available", lambda: False)
     monkeypatch.delenv("DPT_TEST_BACKEND", raising=False)
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
 
 
 def test_one_gpu_two_ranks_the_notebooks_ranks_use_gloo_on_the_cpu(colab):
     # run_distributed(..., backend="auto") with 2 ranks and 1 GPU: gloo, so rank_device() is
     # the CPU in each rank (NCCL would need a GPU per rank).
-    assert testing.default_backend(2) == "gloo"
-    assert testing.default_backend(1) == "nccl"
+    assert ranks.default_backend(2) == "gloo"
+    assert ranks.default_backend(1) == "nccl"
     # a single-process lesson takes the GPU
     assert pick_device("auto").type == "cuda"
+
+
+def test_one_gpu_two_ranks_scripts_started_by_a_notebook_get_the_cpu_or_share_the_gpu(
+        colab, monkeypatch):
+    # Notebooks 03 and 04 pass ranks_device(2) as --device: cuda would be refused by
+    # check_launch (one GPU per process) unless the ranks share it (DPT_SHARE_GPU=1, gloo).
+    from dpt.notebook import ranks_device
+
+    assert ranks_device(2) == "cpu" and ranks_device(1) == "cuda"
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    assert ranks_device(2) == "cuda"
+    assert ranks_device(2, share=False) == "cpu", "Lightning and Fabric cannot share a GPU"
+
+
+@pytest.mark.timeout(120)
+def test_one_gpu_lightning_fsdp_on_two_devices_says_it_needs_two_gpus(colab, capsys):
+    # Notebook 08's Lightning cell asked Lightning for GPUs [0, 1] on Colab's one GPU and died
+    # in a MisconfigurationException. The helper must say why in a RuntimeError, and the
+    # notebook cell must skip in one line.
+    from dpt.notebook import needs_gpus, needs_tasks
+    from tests.lessons import load
+
+    ft = load("08_sharding", "fsdp2_train")
+    with pytest.raises(RuntimeError, match=r"devices=2 needs 2 GPUs.*this machine has 1"):
+        ft.lightning_fsdp_trainer(devices=2)
+    with needs_tasks():
+        needs_gpus(2)
+        raise AssertionError("the cell went on with one GPU")
+    assert capsys.readouterr().out.strip() == ("skipped: this cell needs 2 GPUs, this machine "
+                                               "has 1")

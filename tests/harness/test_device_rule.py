@@ -9,6 +9,7 @@ MPS is there by patching ``dpt.device.mps_available``.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_lesson06_ddp_refuses_mps_in_one_line(mac, capsys):
     from dpt import cli
 
     ddp_amp = load("06_mixed_precision", "ddp_amp")
-    assert cli.main(lambda args: cli.spawn(ddp_amp.run, args), ddp_amp.build_parser(),
+    assert cli.main(cli.with_free_port(ddp_amp.launch), ddp_amp.build_parser(),
                     ["--device", "mps", "-g", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "MPS" in err[0]
@@ -94,3 +95,189 @@ def test_lesson07_lightning_ranks_on_a_mac_use_the_cpu(mac, capsys):
     assert lit.resolve_accelerator("auto", 1, False, True) == "auto"  # Lightning picks MPS
     with pytest.raises(lit.UsageError, match="MPS"):
         lit.resolve_accelerator("mps", 2, False, True)
+
+
+# ------------------------------------------------------------------ ranks sharing the GPUs
+# DPT_SHARE_GPU=1 lets N ranks run on a machine's GPUs (gloo, local rank r on GPU r % count),
+# so a one-GPU machine runs multi-rank code with its tensors on the GPU. These tests fake the
+# GPUs: torch.cuda's answers are patched, and torch.cuda.set_device only records its argument.
+
+
+def _fake_gpus(count: int, patch=None) -> list[torch.device]:
+    """Make this process see ``count`` CUDA GPUs (0: none); returns the set_device calls.
+
+    ``patch`` is pytest's monkeypatch in the test process; in a rank process (which ends
+    after the rank function) plain assignment does."""
+    calls: list[torch.device] = []
+    fakes = {"is_available": lambda: count > 0, "device_count": lambda: count,
+             "set_device": lambda d: calls.append(torch.device(d))}
+    for name, fake in fakes.items():
+        if patch is not None:
+            patch.setattr(torch.cuda, name, fake)
+        else:
+            setattr(torch.cuda, name, fake)
+    if patch is not None:
+        patch.setattr(dpt.device, "mps_available", lambda: False)
+    else:
+        dpt.device.mps_available = lambda: False
+    return calls
+
+
+@pytest.fixture
+def no_share(monkeypatch):
+    """Neither this machine's DPT_SHARE_GPU nor DPT_TEST_BACKEND decides for the test."""
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
+    monkeypatch.delenv("DPT_TEST_BACKEND", raising=False)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_sharing_ranks_use_gloo_and_gpu_r_mod_count(monkeypatch, no_share, gpus):
+    _fake_gpus(gpus, monkeypatch)
+    assert not dpt.dist.shares_gpu() and dpt.device.backend_for("cuda") == "nccl"
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    assert dpt.dist.shares_gpu(), "DPT_SHARE_GPU=1 on a GPU machine: the ranks share the GPUs"
+    assert dpt.device.backend_for("cuda") == "gloo", "NCCL refuses two ranks on one GPU"
+    assert dpt.device.backend_for("cpu") == "gloo"
+    for local_rank in range(2 * gpus + 1):
+        assert dpt.device.gpu_for(local_rank) == torch.device("cuda", local_rank % gpus)
+
+
+def test_without_a_gpu_the_share_variable_changes_nothing(monkeypatch, no_share):
+    _fake_gpus(0, monkeypatch)
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    assert not dpt.dist.shares_gpu()
+    assert pick_device("auto", distributed=True).type == "cpu"
+
+
+def test_a_bad_share_value_is_one_clear_line(monkeypatch, no_share):
+    _fake_gpus(1, monkeypatch)
+    monkeypatch.setenv("DPT_SHARE_GPU", "maybe")
+    with pytest.raises(DeviceError) as err:
+        dpt.dist.shares_gpu()
+    assert "\n" not in str(err.value) and "DPT_SHARE_GPU" in str(err.value)
+
+
+def test_without_sharing_a_rank_past_the_last_gpu_is_refused_naming_the_way_out(
+        monkeypatch, no_share):
+    _fake_gpus(2, monkeypatch)
+    assert dpt.device.gpu_for(1) == torch.device("cuda", 1)
+    with pytest.raises(DeviceError, match="needs GPU 2.*DPT_SHARE_GPU=1"):
+        dpt.device.gpu_for(2)
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_the_launcher_accepts_more_processes_than_gpus_when_they_share(monkeypatch, no_share,
+                                                                       device):
+    from dpt import cli
+
+    _fake_gpus(1, monkeypatch)
+    with pytest.raises(DeviceError, match="one GPU per process"):
+        cli.check_launch(1, 4, 0, device)
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    assert cli.check_launch(1, 4, 0, device) == 4, (
+        "with DPT_SHARE_GPU=1, -g 4 on one GPU must be accepted: the ranks share it")
+
+
+def test_run_distributed_picks_gloo_and_a_gpu_per_rank_when_they_share(monkeypatch, no_share):
+    from dpt import ranks
+
+    _fake_gpus(2, monkeypatch)
+    assert ranks.default_backend(2) == "nccl"  # a GPU per rank, not sharing
+    assert ranks.rank_cuda_device(1, "nccl") == torch.device("cuda", 1)
+    assert ranks.rank_cuda_device(1, "gloo") is None  # gloo alone: the CPU
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    assert ranks.default_backend(2) == ranks.default_backend(5) == "gloo"
+    assert [ranks.rank_cuda_device(r, "gloo") for r in range(5)] == [
+        torch.device("cuda", r % 2) for r in range(5)]
+
+
+@pytest.mark.timeout(60)
+def test_setup_joins_with_gloo_on_this_rank_s_share_of_the_gpus(monkeypatch, no_share):
+    calls = _fake_gpus(2, monkeypatch)
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    monkeypatch.setenv("MASTER_PORT", str(dpt.dist.find_free_port()))
+    threads = torch.get_num_threads()
+    try:
+        # local process 3 of a machine with 2 GPUs (a world of one, so it can join alone)
+        device = dpt.dist.setup(rank=0, world_size=1, local_rank=3, device="cuda", threads=1)
+        assert device == torch.device("cuda", 1)
+        assert calls == [torch.device("cuda", 1)], f"torch.cuda.set_device calls: {calls}"
+        assert torch.distributed.get_backend() == "gloo"
+        assert dpt.dist.rank_device() == torch.device("cuda", 1)
+    finally:
+        dpt.dist.cleanup()
+        torch.set_num_threads(threads)
+    assert dpt.dist.rank_device() == torch.device("cpu")  # outside a group
+
+
+def shared_gpu_rank(rank, world_size, gpus):
+    """A rank on a machine with ``gpus`` faked GPUs that joins through dpt.dist.setup."""
+    calls = _fake_gpus(gpus)
+    device = dpt.dist.setup(device="cuda", timeout_s=30)
+    t = torch.tensor([float(rank + 1)])  # on the CPU: the GPUs are only pretended
+    torch.distributed.all_reduce(t)
+    out = {"device": str(device), "rank_device": str(dpt.dist.rank_device()),
+           "set_device": [str(d) for d in calls], "backend": torch.distributed.get_backend(),
+           "sum": t.item()}
+    dpt.dist.cleanup()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_share_one_gpu_in_a_real_group(no_share):
+    from dpt.ranks import run_distributed
+
+    results = run_distributed(shared_gpu_rank, 2, args=(1,), backend=None, timeout=60,
+                              env={"DPT_SHARE_GPU": "1"}, echo=False)
+    for rank, r in enumerate(results):
+        assert r["backend"] == "gloo", f"rank {rank} joined with {r['backend']}"
+        assert r["device"] == r["rank_device"] == "cuda:0", (
+            f"rank {rank} got {r['device']}, rank_device() {r['rank_device']}: both ranks "
+            "share the one GPU")
+        assert r["set_device"] == ["cuda:0"] and r["sum"] == 3.0, r
+
+
+# ------------------------------------------------------------------ the ranks agree first
+
+
+def test_a_backend_mismatch_names_which_ranks_use_what():
+    from dpt.dist import backend_mismatch
+
+    gpu, cpu, shared = ("nccl", "cuda"), ("gloo", "cpu"), ("gloo", "cuda")
+    assert backend_mismatch({0: gpu, 1: gpu}) is None
+    assert backend_mismatch({0: cpu, 1: shared}) is None  # both gloo: they can talk
+    line = backend_mismatch({0: gpu, 1: gpu, 2: cpu, 3: gpu})
+    assert "\n" not in line
+    assert "rank 2 runs on the CPU with gloo" in line and "ranks 0-1, 3 use NCCL" in line, line
+    assert "--device cpu" in line, line
+    assert "DPT_SHARE_GPU" in backend_mismatch({0: shared, 1: gpu})
+
+
+def join_on_a_machine_with(rank, world_size, gpus_by_rank):
+    """Rank ``rank`` sees ``gpus_by_rank[rank]`` (faked) GPUs and joins under --device auto."""
+    _fake_gpus(gpus_by_rank[rank])
+    start = time.monotonic()
+    try:
+        dpt.dist.setup(device="auto", timeout_s=30, threads=1)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank was told
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                "joined": torch.distributed.is_initialized()}
+    dpt.dist.cleanup()
+    return {"error": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_node_without_a_gpu_among_gpu_nodes_is_one_error_on_every_rank(no_share):
+    from dpt.ranks import run_distributed
+
+    # rank 0 on a GPU machine (NCCL under auto), rank 1 on a machine without one (gloo)
+    results = run_distributed(join_on_a_machine_with, 2, args=({0: 1, 1: 0},), backend=None,
+                              timeout=60, echo=False)
+    for rank, r in enumerate(results):
+        error = r["error"]
+        assert error and error.startswith("LaunchError"), (
+            f"rank {rank} was told {error!r}: the ranks must agree on the backend before "
+            "joining, and refuse with one clear error on every rank")
+        assert "\n" not in error and "rank 1 runs on the CPU" in error, error
+        assert "rank 0 uses NCCL" in error and "--device cpu" in error, error
+        assert not r["joined"] and r["seconds"] < 20, r

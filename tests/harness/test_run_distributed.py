@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from dpt.testing import RankFailure, run_distributed
+from dpt.ranks import RankFailure, run_distributed
 from tests.harness import rank_fns
 
 
@@ -68,7 +68,7 @@ def test_two_runs_at_once_use_different_ports():
 
 
 def test_after_a_restart_the_ranks_fork_from_a_new_server():
-    from dpt.testing import _context, restart_fork_server
+    from dpt.ranks import _context, restart_fork_server
 
     if _context().get_start_method() != "forkserver":
         pytest.skip("the ranks are not forked from a server here (DPT_MP_START)")

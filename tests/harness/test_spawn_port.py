@@ -15,8 +15,23 @@ from dpt.dist import find_free_port
 from tests.harness import rank_fns
 
 
+def setup_and_barrier(local_rank, args):
+    """What a lesson's rank does: join through dpt.dist.setup, whose ranks meet on a store at
+    MASTER_ADDR:MASTER_PORT to agree on the backend before the group is made."""
+    import torch.distributed as dist
+
+    from dpt.dist import cleanup, setup
+
+    setup(local_rank, args.gpus, local_rank, args.device, timeout_s=args.timeout, threads=1,
+          local_world_size=args.gpus)
+    dist.barrier()
+    cleanup()
+
+
 @pytest.mark.timeout(240)
-def test_a_chosen_port_taken_before_rank_0_listens_is_replaced(monkeypatch, capsys):
+@pytest.mark.parametrize("join", [rank_fns.join_and_barrier, setup_and_barrier],
+                         ids=["init_process_group", "dpt.dist.setup"])
+def test_a_chosen_port_taken_before_rank_0_listens_is_replaced(monkeypatch, capsys, join):
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
@@ -29,7 +44,7 @@ def test_a_chosen_port_taken_before_rank_0_listens_is_replaced(monkeypatch, caps
     args = Namespace(nodes=1, gpus=2, nr=0, device="cpu", master_port=None, master_addr=None,
                      timeout=60.0)
     try:
-        cli.spawn(rank_fns.join_and_barrier, args)
+        cli.spawn(join, args)
     finally:
         squatter.close()
     out = capsys.readouterr().out

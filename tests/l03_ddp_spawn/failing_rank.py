@@ -29,4 +29,4 @@ ddp_spawn.Trainer._run_epoch = _run_epoch
 
 if __name__ == "__main__":
     cli = ddp_spawn.cli
-    sys.exit(cli.main(lambda args: cli.spawn(ddp_spawn.run, args), ddp_spawn.build_parser()))
+    sys.exit(cli.main(cli.with_free_port(ddp_spawn.launch), ddp_spawn.build_parser()))

@@ -1,4 +1,4 @@
-"""Functions the lesson 03 tests run on every rank through ``dpt.testing.run_distributed``."""
+"""Functions the lesson 03 tests run on every rank through ``dpt.ranks.run_distributed``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dpt.data import TensorLoader
 from dpt.dist import cpu_budget, rank_device
 from dpt.models import ConvNet
 from tests.helpers import (
+    TRAINING_ARGS,
     recording_moves,
     run_leaving_the_group,
     slowed,
@@ -30,10 +31,9 @@ def _mod():
 
 
 def setup_ranks_without_joining(rank, world_size, nodes, gpus, timeout=60.0, threads=None):
-    """As :func:`setup_as_node_process`, but the lesson's ``setup`` (dpt.dist's, imported into
-    the lesson module) is replaced here by one that only records the rank and world size it is
-    given: a wrong rank then fails by name, not as a rendezvous of two rank 0s. ``call`` holds
-    every argument ``setup`` got (defaults filled in)."""
+    """As :func:`setup_as_node_process`, but the lesson's ``join_group`` is replaced here by one
+    that only records what it is given: a wrong rank then fails by name, not as a rendezvous
+    of two rank 0s. ``call`` holds every argument ``join_group`` got."""
     import inspect
 
     mod = _mod()
@@ -42,18 +42,17 @@ def setup_ranks_without_joining(rank, world_size, nodes, gpus, timeout=60.0, thr
     def record(*args, **kwargs):
         bound = inspect.signature(real).bind(*args, **kwargs)
         seen["joined"] = (bound.arguments.get("rank"), bound.arguments.get("world_size"))
-        bound.apply_defaults()
         seen["call"] = dict(bound.arguments)
         return torch.device("cpu")
 
-    real = mod.setup
-    mod.setup = record
+    real = mod.join_group
+    mod.join_group = record
     try:
         args = Namespace(nodes=nodes, gpus=gpus, nr=rank // gpus, device="cpu", timeout=timeout,
                          threads=threads)
         got_rank, got_world, _ = mod.ddp_setup(rank % gpus, args)
     finally:
-        mod.setup = real
+        mod.join_group = real
     return {"joined": seen.get("joined"), "returned": (got_rank, got_world),
             "call": seen.get("call")}
 
@@ -222,9 +221,9 @@ def evaluate_counts(rank, world_size, x, y):
 
 
 def run_leaves_the_group(rank, world_size, fail):
-    """The lesson's ``run`` (one spawned process) with a stand-in for the training: whether it
+    """The lesson's ``main`` (one spawned process) with a stand-in for the training: whether it
     returns or raises, the process must have left the process group afterwards."""
     args = Namespace(nodes=1, gpus=world_size, nr=0, device="cpu", timeout=60.0, threads=1,
-                     checkpoint=None, resume=None)
-    return run_leaving_the_group(lambda: _mod().run(rank, args), fail)
+                     checkpoint=None, resume=None, **TRAINING_ARGS)
+    return run_leaving_the_group(lambda: _mod().main(rank, args), fail, _mod())
 

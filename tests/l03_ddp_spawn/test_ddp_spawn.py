@@ -21,9 +21,10 @@ from dpt.data import TensorLoader, load_tensors
 from dpt.device import DeviceError
 from dpt.dist import LaunchError, cpu_budget, find_free_port, group_of_one
 from dpt.models import ConvNet
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 from tests.helpers import (
     CPU,
+    TRAINING_ARGS,
     assert_a_missing_resume_is_an_error,
     assert_every_rank_left_the_group,
     assert_progress_reaches_the_epoch_loop,
@@ -82,7 +83,7 @@ def test_every_process_finds_its_global_rank_and_joins_one_group():
     # as two processes claiming it
     dry = run_distributed(rank_fns.setup_ranks_without_joining, nodes * gpus,
                           args=(nodes, gpus), backend=None, timeout=60)
-    for rank, info in enumerate(dry):  # (None: joined without dpt.dist.setup; checked below)
+    for rank, info in enumerate(dry):  # (None: joined without join_group; checked below)
         assert info["joined"] in (None, (rank, nodes * gpus)), (
             f"local process {rank % gpus} of node {rank // gpus} joins as (rank, world_size) "
             f"{info['joined']}, not {(rank, nodes * gpus)}: the global rank counts the "
@@ -102,29 +103,71 @@ def test_every_process_finds_its_global_rank_and_joins_one_group():
 
 
 @pytest.mark.task("03.1")
-def test_ddp_setup_passes_this_machine_s_layout_and_the_flags_to_setup():
+def test_ddp_setup_passes_this_machine_s_layout_to_join_group():
     nodes, gpus = 2, 3
     rank = 5  # local process 2 of node 1
-    info = rank_fns.setup_ranks_without_joining(rank, nodes * gpus, nodes, gpus, timeout=37.0,
-                                                threads=1)
+    info = rank_fns.setup_ranks_without_joining(rank, nodes * gpus, nodes, gpus)
     call = info["call"]
-    assert call is not None, "ddp_setup must join through dpt.dist.setup"
-    assert call["rank"] == rank and call["world_size"] == nodes * gpus, (
-        f"setup got (rank, world_size) ({call['rank']}, {call['world_size']}), not "
+    assert call is not None, "ddp_setup must join through join_group"
+    assert (call["rank"], call["world_size"]) == (rank, nodes * gpus), (
+        f"join_group got (rank, world_size) ({call['rank']}, {call['world_size']}), not "
         f"({rank}, {nodes * gpus})")
-    assert call["local_rank"] == rank % gpus, (
-        f"local process {rank % gpus} of node 1 passed local_rank={call['local_rank']} to "
-        "setup: pass the process's place on its own machine (it picks the GPU: this machine "
-        f"has GPUs 0..{gpus - 1}), not the global rank")
-    assert call["local_world_size"] == gpus, (
-        f"setup got local_world_size={call['local_world_size']}, not {gpus}: the processes "
-        "sharing this machine (args.gpus) split its CPU cores, not the whole world's")
-    assert str(call["device"]) == "cpu", (
-        f"--device cpu reached setup as {call['device']!r}: pass args.device on")
-    assert call["timeout_s"] == 37.0, (
-        f"--timeout 37 reached setup as timeout_s={call['timeout_s']}: pass args.timeout on")
-    assert call["threads"] == 1, (
-        f"--threads 1 reached setup as threads={call['threads']}: pass args.threads on")
+    assert call["local_rank"] == rank % gpus and call["local_world_size"] == gpus, call
+
+
+# ------------------------------------------------------------------ 03.6 joining and leaving
+
+
+def _join(mod, monkeypatch, local_rank=2, **flags):
+    """``mod.join_group`` as rank 5 of 6, local process ``local_rank`` of 3, with its
+    preflight and ``init_process_group`` replaced by recorders; returns (device, calls)."""
+    calls = {}
+    monkeypatch.setattr(mod, "preflight", lambda *a: calls.setdefault("preflight", a))
+    monkeypatch.setattr(mod.dist, "init_process_group",
+                        lambda *a, **k: calls.setdefault("init", (a, k)))
+    args = SimpleNamespace(device="auto", timeout=37.0, threads=None, **flags)
+    return mod.join_group(5, 6, local_rank, 3, args), calls
+
+
+def _init_backend(calls) -> str:
+    args, kwargs = calls["init"]
+    return kwargs.get("backend", args[0] if args else None)
+
+
+@pytest.mark.task("03.6")
+def test_join_group_on_the_cpu_joins_with_gloo_as_this_rank(monkeypatch):
+    mod = rank_fns._mod()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    device, calls = _join(mod, monkeypatch)
+    assert device == torch.device("cpu"), f"without a GPU the device is the CPU, not {device}"
+    assert "init" in calls, "join_group must call dist.init_process_group"
+    args, kwargs = calls["init"]
+    assert _init_backend(calls) == "gloo", "on the CPU the backend is gloo"
+    assert kwargs.get("rank") == 5 and kwargs.get("world_size") == 6, (
+        f"init_process_group got {kwargs}: pass rank= and world_size= (the whole job's)")
+    assert kwargs.get("timeout") is not None and kwargs["timeout"].total_seconds() == 37.0, (
+        "--timeout 37 must reach init_process_group as timeout=timedelta(seconds=37)")
+    assert calls.get("preflight", (None,))[1:] == (5, 6, 2, 3, device, "gloo"), (
+        "call preflight(args, rank, world_size, local_rank, local_world_size, device, backend) "
+        f"before joining; it got {calls.get('preflight')}")
+
+
+@pytest.mark.task("03.6")
+@pytest.mark.parametrize("share", ["0", "1"])
+def test_join_group_on_gpus_uses_gpu_local_rank(monkeypatch, share):
+    mod = rank_fns._mod()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3 if share == "0" else 1)
+    monkeypatch.setenv("DPT_SHARE_GPU", share)
+    device, calls = _join(mod, monkeypatch)
+    want = torch.device("cuda", 2 if share == "0" else 0)
+    assert device == want, (f"local process 2 of a machine got {device}, not {want}: "
+                            "process local_rank uses GPU local_rank (dpt.device.gpu_for)")
+    want_backend = "nccl" if share == "0" else "gloo"
+    assert _init_backend(calls) == want_backend, (
+        f"on {device} the backend is {want_backend}"
+        + (" (ranks sharing a GPU use gloo: NCCL refuses them)" if share == "1" else ""))
 
 
 # ------------------------------------------------------------------ 03.2 the data loader
@@ -384,28 +427,36 @@ def test_evaluate_returns_the_counts_as_python_ints():
     assert counts[1] == 10, counts
 
 
-def test_run_passes_the_checkpoint_and_resume_flags_on(monkeypatch):
-    # run() is given code: joining and training are stood in for, only the wiring is tested
+def test_main_passes_the_checkpoint_and_resume_flags_on(monkeypatch):
+    # main() is given code: joining and training are stood in for, only the wiring is tested
     mod = rank_fns._mod()
     seen = {}
+
+    class Trainer:
+        def __init__(self, model, *args, **kwargs):
+            seen.update(args=args, kwargs=kwargs)
+            self.model, self.history = model, [0.5]
+
+        def train(self, *args):
+            return [0.5]
+
     monkeypatch.setattr(mod, "ddp_setup", lambda local_rank, args: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
-    result = {"accuracy": 0.5, "seconds": 1.0, "history": []}
-    monkeypatch.setattr(mod.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(options) or result)
-    got = mod.run(0, SimpleNamespace(checkpoint="ck.pt", resume="old.pt"))
-    assert seen.get("checkpoint_path") == "ck.pt" and seen.get("resume_from") == "old.pt", (
-        f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
-        f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
-    assert got is result, (
-        f"run() returned {got!r}: return what cli.train_and_evaluate returns (the accuracy, "
-        "the time and the loss history), from inside the try, so destroy still runs")
+    monkeypatch.setattr(mod, "Trainer", Trainer)
+    monkeypatch.setattr(mod, "prepare_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "load_tensors", lambda *a, **k: (torch.zeros(8, 1, 28, 28),
+                                                               torch.zeros(8, dtype=torch.long)))
+    monkeypatch.setattr(mod, "prepare_dataloader", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "evaluate", lambda *a: (3, 4))
+    got = mod.main(0, SimpleNamespace(checkpoint="ck.pt", resume="old.pt", **TRAINING_ARGS))
+    assert "ck.pt" in seen["args"] and seen["kwargs"].get("resume_from") == "old.pt", seen
+    assert got["accuracy"] == 0.75 and got["history"] == [0.5], got
 
 
 @pytest.mark.timeout(30)
 def test_a_process_that_cannot_join_reports_why(monkeypatch):
-    # run() is given code: the join (03.1) is stood in for by one that fails, as an
-    # unreachable node 0 makes it fail
+    # main() is given code: the join is stood in for by one that fails, as an unreachable
+    # node 0 makes it fail
     mod = rank_fns._mod()
 
     def cannot_join(local_rank, args):
@@ -413,12 +464,39 @@ def test_a_process_that_cannot_join_reports_why(monkeypatch):
 
     monkeypatch.setattr(mod, "ddp_setup", cannot_join)
     with pytest.raises(Exception) as info:
-        mod.run(0, SimpleNamespace(checkpoint=None, resume=None))
+        mod.main(0, SimpleNamespace(checkpoint=None, resume=None))
     assert "node 0 is unreachable" in str(info.value), (
         f"a process that could not join raised {type(info.value).__name__}: {info.value}, not "
         "the join's own error: call ddp_setup before the try, since the finally's "
         "destroy_process_group() fails when no group was ever made, and its error hides why "
         "the join failed")
+
+
+# ------------------------------------------------------------------ 03.7 the launch
+
+
+@pytest.mark.task("03.7")
+def test_launch_sets_the_rendezvous_and_spawns_one_process_per_device(monkeypatch):
+    mod = rank_fns._mod()
+    seen = {}
+
+    def spawn(fn, args=(), nprocs=1, **kwargs):
+        seen.update(fn=fn, args=args, nprocs=nprocs, addr=os.environ.get("MASTER_ADDR"),
+                    port=os.environ.get("MASTER_PORT"))
+
+    monkeypatch.setattr(mod.mp, "spawn", spawn)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    port = find_free_port()
+    args = SimpleNamespace(gpus=3, nodes=1, nr=0, master_addr="10.0.0.7", master_port=port)
+    mod.launch(args)
+    assert seen, "launch must start the processes with mp.spawn"
+    assert seen["fn"] is mod.main and seen["nprocs"] == 3, (
+        f"mp.spawn got {seen['fn']} and nprocs={seen['nprocs']}: start main, args.gpus times")
+    assert tuple(seen["args"]) == (args,), "mp.spawn(main, args=(args,), ...): main gets args"
+    assert (seen["addr"], seen["port"]) == ("10.0.0.7", str(port)), (
+        "set MASTER_ADDR and MASTER_PORT (from args.master_addr, args.master_port) before "
+        "mp.spawn: the processes read them to find rank 0")
 
 
 # ------------------------------------------------------------------ DDP itself (not a task)
@@ -459,9 +537,10 @@ def test_every_rank_normalizes_with_rank_0_s_batch_norm_statistics():
             "statistics and evaluates a model other than the one rank 0 saves"))
 
 
+@pytest.mark.task("03.6")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
-def test_each_process_leaves_the_group_when_run_ends(fail):
+def test_each_process_leaves_the_group_when_main_ends(fail):
     results = run_distributed(rank_fns.run_leaves_the_group, WS, args=(fail,), backend=None,
                               timeout=100)
     assert_every_rank_left_the_group(results, fail, "process")
@@ -479,12 +558,35 @@ def test_check_launch_refuses_impossible_jobs(nodes, gpus, nr):
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
 def test_more_processes_than_gpus_is_refused_up_front(monkeypatch, device):
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)  # ranks not told to share a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(DeviceError, match="one GPU per process"):
         cli.check_launch(1, 2, 0, device)  # the default -g 2 on a one-GPU machine
     assert cli.check_launch(1, 1, 0, device) == 1
     assert cli.check_launch(1, 2, 0, "cpu") == 2
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_node_past_node_0_must_be_told_where_node_0_is(monkeypatch, nodes):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    port = find_free_port()
+
+    def where(nr, addr=None):
+        return cli.resolve_master(SimpleNamespace(nodes=nodes, nr=nr, master_addr=addr,
+                                                  master_port=port))
+
+    assert where(0) == ("127.0.0.1", port), "node 0 hosts the rendezvous: it may default"
+    with pytest.raises(LaunchError) as err:
+        where(nodes - 1)  # 127.0.0.1 would wait for a rendezvous on this machine itself
+    message = str(err.value)
+    assert "\n" not in message and "--master-addr" in message and "MASTER_ADDR" in message, (
+        message)
+    assert f"node {nodes - 1}" in message, message
+    assert where(nodes - 1, "10.0.0.7") == ("10.0.0.7", port)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.8")
+    assert where(nodes - 1) == ("10.0.0.8", port)
 
 
 # ------------------------------------------------------------------ the CLI
@@ -512,15 +614,29 @@ SMALL = ("--train-limit", "128", "--test-limit", "51", "--batch-size", "32", "--
          "--device", "cpu")
 
 
+def _one_gpu_at_most() -> dict[str, str]:
+    """The environment of a machine with one GPU, or none on a CPU-only one: the first
+    device this machine shows (CUDA_VISIBLE_DEVICES), and the ranks not told to share it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"CUDA_VISIBLE_DEVICES": "0" if visible is None else visible.split(",")[0],
+            "DPT_SHARE_GPU": "0"}
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv,words", [
     (("-n", "2", "-g", "1", "-nr", "2"), "node rank"),
+    # 2 processes on (at most) one GPU: no GPU per process, or no GPU at all
     (("-n", "1", "-g", "2", "--device", "cuda"), "GPU"),
     (("-g", "2", "--batch-size", "0"), "batch size"),
     (("-n", "2", "-g", "1", "-nr", "1"), "master-port"),
+    (("-n", "2", "-g", "1", "-nr", "1", "--master-port", "{port}"), "master-addr"),
 ])
-def test_cli_refuses_bad_launches_in_one_line(argv, words):
-    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, *argv, timeout=45)
+def test_cli_refuses_bad_launches_in_one_line(argv, words, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    argv = [a.format(port=find_free_port()) for a in argv]
+    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, *argv, timeout=45,
+                      env=_one_gpu_at_most())
     assert words.lower() in one_line_error(proc).lower()
 
 
@@ -594,7 +710,9 @@ def test_two_nodes_on_one_machine_train_together(tmp_path):
     base = [sys.executable, str(script(LESSON, "ddp_spawn.py")), *FASHION, "-n", "2", "-g", "1",
             "--master-port", port, "--threads", "1", "--checkpoint", str(ck), *SMALL]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1", **env)
-    nodes = [subprocess.Popen([*base, "-nr", str(nr)], stdout=subprocess.PIPE,
+    # node 1 is told where node 0 is (here, on this machine); node 0 defaults to itself
+    nodes = [subprocess.Popen([*base, "-nr", str(nr), *(["--master-addr", "127.0.0.1"] * nr)],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
              for nr in (0, 1)]
     try:

@@ -41,4 +41,4 @@ def run_batch(self, source, targets):
 lesson.Trainer._run_epoch, lesson.Trainer._run_batch = run_epoch, run_batch
 
 if __name__ == "__main__":
-    sys.exit(lesson.cli.main(lesson.run, lesson.build_parser()))
+    sys.exit(lesson.cli.main(lesson.main, lesson.build_parser()))

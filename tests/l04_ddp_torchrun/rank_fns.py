@@ -19,7 +19,13 @@ from dpt.checkpoint import CheckpointError
 from dpt.data import TensorLoader
 from dpt.dist import find_free_port, rank_device
 from dpt.models import ConvNet
-from tests.helpers import recording_moves, run_leaving_the_group, slowed, unsent_message
+from tests.helpers import (
+    TRAINING_ARGS,
+    recording_moves,
+    run_leaving_the_group,
+    slowed,
+    unsent_message,
+)
 from tests.lessons import load
 
 LESSON = "04_ddp_torchrun"
@@ -134,6 +140,53 @@ def resume_from_snapshot(rank, world_size, path):
             "end": {k: v.detach().cpu() for k, v in plain.named_parameters()}}
 
 
+def resume_when_one_rank_sees_the_snapshot(rank, world_size, path, seer):
+    """A Trainer given ``path``, where only rank ``seer`` finds the file when it looks
+    (``os.path.exists``, ``Path.exists``): as when the snapshot is written between two ranks'
+    looks, or a node keeps an old file the others do not have. Reading it still works, so only
+    the decision to resume is tested. Returns where this rank starts: epoch and sampler seed."""
+    mod = _mod()
+    real_exists, real_path_exists = os.path.exists, Path.exists
+    target = os.path.abspath(path)
+
+    def seen(p) -> bool:
+        return rank == seer or os.path.abspath(p) != target
+
+    os.path.exists = lambda p: seen(p) and real_exists(p)
+    Path.exists = lambda self, *a, **k: seen(self) and real_path_exists(self, *a, **k)
+    try:
+        torch.manual_seed(0)
+        model = ConvNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
+    finally:
+        os.path.exists, Path.exists = real_exists, real_path_exists
+    return {"epochs_run": trainer.epochs_run, "seed": trainer.train_data.sampler.seed}
+
+
+def resume_from_unlike_copies(rank, world_size, path, stale):
+    """A Trainer given ``path`` on nodes without a shared disk, where rank 1's node holds an
+    older copy (``stale``: what rank 1 reads at ``path``). Returns where this rank starts, or
+    the CheckpointError it raised."""
+    import dpt.checkpoint
+
+    mod = _mod()
+    real_load = dpt.checkpoint.load
+    if rank == 1:
+        dpt.checkpoint.load = lambda p, *a, **k: real_load(
+            stale if os.path.abspath(p) == os.path.abspath(path) else p, *a, **k)
+    try:
+        torch.manual_seed(0)
+        model = ConvNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        trainer = _trainer(mod, rank, world_size, model, opt, snapshot_path=path, seed=3)
+    except CheckpointError as exc:
+        return {"error": str(exc), "epochs_run": None}
+    finally:
+        dpt.checkpoint.load = real_load
+    return {"error": None, "epochs_run": trainer.epochs_run}
+
+
 def trainer_without_a_snapshot(rank, world_size):
     """A run without --snapshot: the Trainer starts at epoch 0 and trains its batches. The
     model comes in eval mode (as evaluate() leaves it between runs), and the batches are
@@ -158,12 +211,12 @@ def trainer_without_a_snapshot(rank, world_size):
 
 
 def run_leaves_the_group(rank, world_size, fail):
-    """The lesson's ``run`` (one torchrun worker) with a stand-in for the training: whether it
+    """The lesson's ``main`` (one torchrun worker) with a stand-in for the training: whether it
     returns or raises, the process must have left the process group afterwards."""
     from argparse import Namespace
 
-    args = Namespace(device="cpu", timeout=60.0, threads=1, snapshot=None)
-    return run_leaving_the_group(lambda: _mod().run(args), fail)
+    args = Namespace(device="cpu", timeout=60.0, threads=1, snapshot=None, **TRAINING_ARGS)
+    return run_leaving_the_group(lambda: _mod().main(args), fail, _mod())
 
 
 def write_then_die_mid_snapshot(folder: str, marker: str, error: str) -> None:

@@ -15,8 +15,8 @@ from torch.utils.data import DistributedSampler
 from dpt import cli
 from dpt.checkpoint import CheckpointError
 from dpt.models import ConvNet
-from dpt.testing import run_distributed
-from tests.helpers import assert_every_rank_left_the_group
+from dpt.ranks import RankFailure, run_distributed
+from tests.helpers import TRAINING_ARGS, assert_every_rank_left_the_group
 from tests.l04_ddp_torchrun import rank_fns
 from tests.lessons import load
 
@@ -84,35 +84,23 @@ def test_torchrun_env_rejects_ranks_out_of_range(mod, change):
 
 @pytest.mark.task("04.1")
 def test_ddp_setup_passes_torchrun_s_layout_and_the_flags_to_setup(mod, monkeypatch):
-    import inspect
     from argparse import Namespace
 
     for key, value in ENV.items():  # rank 3 of 4: local process 1 of a 2-process machine
         monkeypatch.setenv(key, value)
     calls = []
 
-    def record(*args, **kwargs):  # dpt.dist.setup's stand-in: records, joins nothing
-        bound = inspect.signature(real).bind(*args, **kwargs)
-        bound.apply_defaults()
-        calls.append(dict(bound.arguments))
+    def record(*args):  # join_group's stand-in (lesson 03's task): records, joins nothing
+        calls.append(args)
         return torch.device("cpu")
 
-    real = mod.setup
-    monkeypatch.setattr(mod, "setup", record)
-    got = mod.ddp_setup(Namespace(device="cpu", timeout=37.0, threads=1))
-    assert calls, "ddp_setup must join through dpt.dist.setup"
-    call = calls[0]
-    assert got[:2] == (3, 4) and (call["rank"], call["world_size"]) == (3, 4)
-    assert call["local_rank"] == 1, (
-        f"setup got local_rank={call['local_rank']}, not LOCAL_RANK=1 (it picks the GPU)")
-    assert call["local_world_size"] == 2, (
-        f"setup got local_world_size={call['local_world_size']}, not LOCAL_WORLD_SIZE=2: the "
-        "processes sharing this machine split its CPU cores, not the whole world's")
-    assert call["timeout_s"] == 37.0, (
-        f"--timeout 37 reached setup as timeout_s={call['timeout_s']}: pass args.timeout on")
-    assert call["threads"] == 1, (
-        f"--threads 1 reached setup as threads={call['threads']}: pass args.threads on")
-    assert str(call["device"]) == "cpu", f"--device cpu reached setup as {call['device']!r}"
+    monkeypatch.setattr(mod, "join_group", record)
+    flags = Namespace(device="cpu", timeout=37.0, threads=1)
+    got = mod.ddp_setup(flags)
+    assert calls, "ddp_setup must join through join_group"
+    assert got[:2] == (3, 4) and calls[0] == (3, 4, 1, 2, flags), (
+        f"join_group got {calls[0][:4]}, not (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) "
+        "= (3, 4, 1, 2)")
 
 
 # ------------------------------------------------------------------ 04.2 gather_rng_states
@@ -383,6 +371,52 @@ def test_a_snapshot_from_another_world_size_resumes_at_its_epoch(tmp_path):
         "sampler's seed from it whatever the world size")
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("seer", [0, 1])
+def test_rank_0_decides_whether_every_rank_resumes(tmp_path, seer):
+    """Given code: whether to resume is one decision, rank 0's, for the whole job. Here only
+    rank ``seer`` finds the snapshot when it looks. Ranks that each decided alone would start at
+    different epochs (with different data orders), and the one with epochs left would wait
+    forever in a collective the others never enter."""
+    path = tmp_path / "snap.pt"
+    _reference_snapshot(path, epoch=1, seed=11)
+    per_rank = (f"only rank {seer} saw the snapshot: each rank decided for itself whether to "
+                "resume (os.path.exists on every rank); rank 0 must decide and tell the others "
+                "(a broadcast), or the ranks disagree and hang")
+    try:
+        out = run_distributed(rank_fns.resume_when_one_rank_sees_the_snapshot, 2,
+                              args=(str(path), seer), timeout=60)
+    except RankFailure as exc:  # the ranks entered different collectives: a crash or a hang
+        pytest.fail(f"{per_rank}. The ranks failed:\n{str(exc)[:2000]}")
+    starts = [(r["epochs_run"], r["seed"]) for r in out]
+    assert starts[0] == starts[1], (
+        f"{per_rank}. They start at (epoch, sampler seed) {starts}")
+    want = (1, 11) if seer == 0 else (0, 3)
+    assert starts[0] == want, (
+        f"only rank {seer} saw the snapshot, and every rank starts at (epoch, sampler seed) "
+        f"{starts[0]}, not {want}: the decision is rank 0's (it resumes when rank 0 sees the "
+        "file), not any rank's")
+
+
+@pytest.mark.timeout(150)
+def test_ranks_that_read_snapshots_of_different_epochs_refuse_together(tmp_path):
+    """Given code: nodes without a shared disk, and rank 1's node kept an older copy of the
+    snapshot. Resuming at two epochs, the ranks would train different numbers of epochs and
+    hang; every rank must refuse at once, with the cause."""
+    path, stale = tmp_path / "snap.pt", tmp_path / "old.pt"
+    _reference_snapshot(path, epoch=3, seed=11)
+    _reference_snapshot(stale, epoch=1, seed=11)
+    out = run_distributed(rank_fns.resume_from_unlike_copies, 2, args=(str(path), str(stale)),
+                          timeout=120)
+    for rank, res in enumerate(out):
+        assert res["error"], (
+            f"rank 0 resumed at epoch {out[0]['epochs_run']} and rank 1 at "
+            f"{out[1]['epochs_run']} without complaint: ranks that read snapshots of different "
+            "epochs must all refuse (compare the epochs across the ranks)")
+        assert "copy" in res["error"] and "[3, 1]" in res["error"], (
+            f"rank {rank}'s error does not name the epochs or the fix: {res['error']}")
+
+
 def test_train_snapshots_only_every_save_every_epochs(mod):
     # Trainer.train is given code: run it on a stand-in Trainer (no process group needed)
     saved = []
@@ -396,16 +430,29 @@ def test_train_snapshots_only_every_save_every_epochs(mod):
 
 
 def test_run_passes_the_snapshot_flag_on(mod, monkeypatch):
-    # run() is given code: joining and training are stood in for, only the wiring is tested
+    # main() is given code: joining and training are stood in for, only the wiring is tested
     seen = {}
+
+    class Trainer:
+        def __init__(self, model, *args, **kwargs):
+            seen.update(args=args, kwargs=kwargs)
+            self.model, self.history = model, []
+
+        def train(self, *args):
+            return []
+
     monkeypatch.setattr(mod, "ddp_setup", lambda args: (0, 1, torch.device("cpu")))
     monkeypatch.setattr(mod.dist, "destroy_process_group", lambda: None)
-    monkeypatch.setattr(mod.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(options) or {})
-    mod.run(SimpleNamespace(snapshot="snap.pt"))
-    assert seen.get("snapshot_path") == "snap.pt", (
-        f"the Trainer got snapshot_path={seen.get('snapshot_path')!r}: pass --snapshot on, or "
-        "a restarted job starts again from epoch 0")
+    monkeypatch.setattr(mod, "Trainer", Trainer)
+    monkeypatch.setattr(mod, "prepare_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "load_tensors", lambda *a, **k: (torch.zeros(8, 1, 28, 28),
+                                                               torch.zeros(8, dtype=torch.long)))
+    monkeypatch.setattr(mod, "prepare_dataloader", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "evaluate", lambda *a: (1, 2))
+    mod.main(SimpleNamespace(snapshot="snap.pt", **TRAINING_ARGS))
+    assert "snap.pt" in seen["args"], (
+        f"the Trainer got {seen['args']}: pass --snapshot on, or a restarted job starts again "
+        "from epoch 0")
 
 
 # ------------------------------------------------------------------ leaving (not a task)
@@ -423,7 +470,7 @@ def test_each_worker_leaves_the_group_when_run_ends(fail):
 
 
 def test_old_local_rank_argument_is_refused_with_the_fix(mod, capsys):
-    assert cli.main(mod.run, mod.build_parser(), ["--local_rank=0", "--epochs", "1"]) == 2
+    assert cli.main(mod.main, mod.build_parser(), ["--local_rank=0", "--epochs", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "LOCAL_RANK" in err[0]
     assert "torchrun" in err[0]
@@ -432,10 +479,10 @@ def test_old_local_rank_argument_is_refused_with_the_fix(mod, capsys):
 def test_without_torchrun_the_script_says_how_to_launch(mod, capsys, monkeypatch):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    hidden = ("Is ddp_setup inside run()'s try? Its finally then destroys a process group that "
+    hidden = ("Is ddp_setup inside main()'s try? Its finally then destroys a process group that "
               "was never created, and that error hides the launch error")
     try:
-        code = cli.main(mod.run, mod.build_parser(), ["--epochs", "1"])
+        code = cli.main(mod.main, mod.build_parser(), ["--epochs", "1"])
     except NotImplementedError:  # a task left to do: its own message says which
         raise
     except (AssertionError, RuntimeError, ValueError) as exc:  # from destroy_process_group

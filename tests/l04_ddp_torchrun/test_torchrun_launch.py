@@ -16,7 +16,7 @@ this file does about it, cause by cause:
   taken in between, by another test or by an outgoing connection. Single-node runs therefore
   use ``--standalone`` (torchrun picks its own port) instead of a port the test picked;
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (needed for restarts on torch 2.14 with gloo, see the
-  README's troubleshooting table) makes the agent of rank 0 choose a fresh port for the
+  troubleshooting table in docs/troubleshooting.md) makes the agent of rank 0 choose a fresh port for the
   workers' store in every rendezvous round, with the same window; a collision there shows up
   as ``EADDRINUSE`` in a worker's log, which ``_wait`` prints in full.
 """

@@ -21,7 +21,7 @@ message from a missing ``destroy_process_group``) and the abandoned pytorch/pyto
 Two things avoid it, and lesson 05 does both: keep a reference to every collective's tensor
 until ``wait()`` has returned and beyond (persistent bucket buffers, gradients held through
 their parameters), so gloo's thread never frees a tensor; and destroy the process group
-before the interpreter exits (``dpt.testing.run_distributed`` does, and a failing rank leaves
+before the interpreter exits (``dpt.ranks.run_distributed`` does, and a failing rank leaves
 with ``os._exit``, which skips finalization).
 """
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpt.dist import group_of_one
-from dpt.testing import RankFailure, run_distributed
+from dpt.ranks import RankFailure, run_distributed
 from tests.helpers import one_line_error, run_script
 from tests.lessons import load, script
 
@@ -248,10 +248,10 @@ def _cpu_seconds_limit(seconds, message):
                                          (["--repeats", "0"], "repeats")],
                          ids=["min_kb_zero", "min_kb_negative", "min_over_max", "repeats"])
 def test_timing_cli_rejects_bad_input_with_one_line(monkeypatch, capsys, args, needle):
-    import dpt.testing
+    import dpt.ranks
 
     col = load(LESSON, "collectives")
-    monkeypatch.setattr(dpt.testing, "run_distributed", lambda *a, **k: pytest.fail(
+    monkeypatch.setattr(dpt.ranks, "run_distributed", lambda *a, **k: pytest.fail(
         f"collectives.py {' '.join(args)} got past main()'s checks and started ranks: refuse "
         "it up front with one 'error:' line"))
     with _cpu_seconds_limit(2.0, f"collectives.py {' '.join(args)} passed main()'s checks and "
@@ -265,7 +265,7 @@ def test_timing_cli_rejects_bad_input_with_one_line(monkeypatch, capsys, args, n
 
 @pytest.mark.timeout(60)
 def test_timing_script_passes_its_flags_to_the_ranks(monkeypatch, tmp_path):
-    import dpt.testing
+    import dpt.ranks
 
     col = load(LESSON, "collectives")
     calls = []
@@ -278,7 +278,7 @@ def test_timing_script_passes_its_flags_to_the_ranks(monkeypatch, tmp_path):
                 for b in args[0]]
         return [{"world_size": world_size, "rows": rows}] * world_size
 
-    monkeypatch.setattr(dpt.testing, "run_distributed", fake_run_distributed)
+    monkeypatch.setattr(dpt.ranks, "run_distributed", fake_run_distributed)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     assert col.main(["--world-size", "3", "--min-kb", "1", "--max-mb", "0.004",
                      "--repeats", "7", "--out", str(tmp_path / "t.json"),
@@ -747,7 +747,7 @@ def test_the_timeline_records_one_step_of_each_wrapper():
     ranks = run_distributed(demo.timeline_rank, world_size=WORLD, timeout=90, kwargs={
         "batch": 8, "width": 64, "depth": 3, "bucket_cap_mb": cap, "steps": 1, "warmup": 1})
     for rank, out in enumerate(ranks):
-        naive, bucketed = out["runs"]["naive"], out["runs"]["bucketed"]
+        naive, overlap, bucketed = (out["runs"][n] for n in ("naive", "overlap", "bucketed"))
         for name, run in out["runs"].items():
             layers = [layer["name"] for layer in run["layers"]]
             assert layers == ["out", "fc3", "fc2", "fc1"], (rank, name, layers)
@@ -755,6 +755,9 @@ def test_the_timeline_records_one_step_of_each_wrapper():
             assert all(e["launch"] <= e["done"] <= run["step"][1] for e in run["allreduce"])
         assert [e["async"] for e in naive["allreduce"]] == [False] * 8  # 4 weights, 4 biases
         assert all(e["launch"] >= naive["sync"][0] for e in naive["allreduce"])
+        assert [e["async"] for e in overlap["allreduce"]] == [True] * 8  # one per gradient
+        assert overlap["allreduce"][0]["launch"] < overlap["backward"][1], (
+            "overlap's first all-reduce must be launched during backward")
         assert bucketed["buckets"] == [["out", "fc3", "fc2"], ["fc2", "fc1"], ["fc1"]]
         assert [e["async"] for e in bucketed["allreduce"]] == [True] * 3
         assert bucketed["allreduce"][0]["launch"] < bucketed["backward"][1], (
@@ -1077,7 +1080,8 @@ def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatc
                                                                       reference_parts):
     """scratch_demo.timeline_rank in a world of one, on a clock that moves only when told:
     1 ms per all-reduce launch, 2 ms per async wait, and the optimizer steps of each variant
-    take 100 (warm-up), 50, 10 and 30 ms. Nothing here depends on the machine's speed."""
+    take 100 (warm-up), 50, 10 and 30 ms (the variants take turns, a step each). Nothing here
+    depends on the machine's speed."""
     import itertools
     import time
 
@@ -1085,18 +1089,17 @@ def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatc
     clock = _ScriptedClock()
     monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(time, "sleep", clock.sleep)
-    step_ms = itertools.cycle([100, 50, 10, 30])
-
     class ScriptedSGD:
         def __init__(self, params, lr):
             self.params = list(params)
+            self.step_ms = itertools.cycle([100, 50, 10, 30])  # this variant's own steps
 
         def zero_grad(self, set_to_none=True):
             for p in self.params:
                 p.grad = None
 
         def step(self):
-            clock.advance_ms(next(step_ms))
+            clock.advance_ms(next(self.step_ms))
 
     def all_reduce(tensor, op=None, group=None, async_op=False):
         clock.advance_ms(1)  # a world of one: the sum is the tensor itself
@@ -1116,8 +1119,8 @@ def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatc
     assert restored, ("timeline_rank left its tracing wrapper in torch.distributed.all_reduce: "
                       "put the real one back in a finally:, or every later all-reduce of the "
                       "process is traced")
-    assert n_barriers == 2 * (1 + 3), (
-        f"dist.barrier() was called {n_barriers} times in 8 steps (2 variants x (1 warm-up "
+    assert n_barriers == 3 * (1 + 3), (
+        f"dist.barrier() was called {n_barriers} times in 12 steps (3 variants x (1 warm-up "
         "+ 3 recorded)): call it before each step's backward, so that every rank starts the "
         "recorded step at the same moment")
     grad_bytes = sum(p.numel() * p.element_size()

@@ -4,7 +4,8 @@
 processes. It promises:
 
 - a free port per call, never a fixed one, so parallel tests (``pytest -n 2``) do not collide;
-- gloo on CPU, or NCCL with one GPU per rank when the machine has enough GPUs;
+- gloo on CPU, or NCCL with one GPU per rank when the machine has enough GPUs; with
+  ``DPT_SHARE_GPU=1`` on a GPU machine, gloo with rank r on GPU ``r % device_count``;
 - one intra-op thread per rank by default, so ranks do not fight over the cores;
 - when a rank raises or dies, the others are killed at once and :class:`RankFailure` carries
   that rank's traceback and the tail of its output;
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dpt.device import SHARE_GPU_VAR, gpu_for, shares_gpu
 from dpt.dist import find_free_port
 
 _CTX = None
@@ -81,12 +83,26 @@ def default_backend(world_size: int) -> str:
     """``backend="auto"``: NCCL when there is a GPU per rank, gloo otherwise.
 
     ``DPT_TEST_BACKEND`` (gloo or nccl) overrides it; the test suite sets gloo, so its rank
-    functions run on the CPU on every machine, and its GPU tests ask for nccl by name.
+    functions run on the CPU on every machine, and its GPU tests ask for nccl by name. With
+    ``DPT_SHARE_GPU=1`` on a GPU machine (``dpt.device.shares_gpu``) it is gloo, and each rank
+    computes on its share of the GPUs (``dpt.dist.rank_device``).
     """
     forced = os.environ.get("DPT_TEST_BACKEND", "auto")
     if forced not in ("", "auto"):
         return forced
+    if shares_gpu():
+        return "gloo"
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def rank_cuda_device(rank: int, backend: str | None) -> torch.device | None:
+    """The GPU rank ``rank`` is pinned to before it joins: its own under NCCL, its share under
+    gloo when the ranks share the GPUs; None when it computes on the CPU (or joins itself)."""
+    if backend == "nccl":
+        return torch.device("cuda", rank)
+    if backend == "gloo" and shares_gpu():
+        return gpu_for(rank)
+    return None
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
@@ -111,13 +127,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     status, payload = "ok", None
     try:
         if backend is not None:
-            device_id = None
-            if backend == "nccl":
-                torch.cuda.set_device(rank)
-                device_id = torch.device("cuda", rank)
+            gpu = rank_cuda_device(rank, backend)
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=max(hang_after, 5)),
-                                    device_id=device_id)
+                                    device_id=gpu if backend == "nccl" else None)
         result = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -182,10 +197,13 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
 
     Returns the ranks' return values, in rank order. ``backend=None`` leaves the process
     group to ``fn`` (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are set for it); ``"auto"``
-    picks NCCL when there is a GPU per rank, gloo otherwise.
+    picks NCCL when there is a GPU per rank, gloo otherwise (:func:`default_backend`). The
+    ranks see this process's ``DPT_SHARE_GPU`` as it is now (the fork server may have been
+    started before it was set); ``env`` adds to, and overrides, their environment.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
+    env = {SHARE_GPU_VAR: os.environ.get(SHARE_GPU_VAR, ""), **(env or {})}
     if backend == "auto":
         backend = default_backend(world_size)
     ctx = _context()
