@@ -1,16 +1,24 @@
-"""A student with half a lesson done: each notebook runs to the end, and says what it skipped.
+"""A student with part of a lesson done: each notebook runs to the end, every cell doing all
+it can, and saying what it skipped.
 
-The tree under test is built here from solutions/: in each lesson only the first task is
-solved, every other task is the stub that raises ``NotImplementedError("Task NN.K: ...")``.
-Cells that reach an unsolved task must print ``skipped: this cell needs Task NN.K`` (the
-notebooks wrap them in ``dpt.notebook.needs_tasks``), and every other cell must run.
+Each ``with needs_tasks("05.2", "05.3"):`` block of a notebook names the tasks it uses. The
+trees under test are built here from solutions/: in a lesson, the tasks up to some point are
+solved, every later one is the stub that raises ``NotImplementedError("Task NN.K: ...")``.
+From the blocks' own declarations each notebook gets the shortest such prefixes that unlock
+each block, and runs once per prefix, up to the last cell that prefix unlocks: every block
+then runs once with just its own tasks done, and must not skip. With no task done at all the
+notebooks run, to the end, against the untouched ``exercises/``; with every task done,
+tests/harness/test_notebooks.py runs them against solutions/.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 import shutil
 import sys
+from functools import cache
 from pathlib import Path
 
 import nbformat
@@ -24,31 +32,72 @@ import make_exercises as gen  # noqa: E402
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SKIP_LINE = re.compile(r"skipped: this cell needs (Task \d\d\.\d+[a-z]?)")
+CELL_LIMIT_S = 600  # a cell that runs this long is stuck
+REPORT = "BLOCKS "
+REPORT_CELL = f"import json as _j, dpt.notebook as _n\nprint({REPORT!r} + _j.dumps(_n.BLOCKS))"
 
 
-def _first_tasks() -> dict[str, str]:
-    """The lowest task id of each lesson, e.g. {'06_mixed_precision': '06.1'}."""
-    first = {}
-    for py in (REPO / "solutions").glob("[0-9][0-9]_*/*.py"):
-        tasks = gen.strip_solutions(py.read_text(), str(py))[1]
-        for task in tasks:
-            lesson = py.parent.name
-            key = tuple(int(x) for x in re.findall(r"\d+", task))
-            if lesson not in first or key < first[lesson][0]:
-                first[lesson] = (key, task)
-    return {lesson: task for lesson, (_, task) in first.items()}
+def _order(task: str) -> tuple:
+    major, minor, letter = re.fullmatch(r"(\d\d)\.(\d+)([a-z]?)", task).groups()
+    return int(major), int(minor), letter
 
 
-def _keep_only(text: str, keep: str) -> str:
-    """``text`` with every solution block stubbed except those of task ``keep``."""
+@cache
+def lesson_tasks(lesson: str) -> tuple[str, ...]:
+    """The tasks of a lesson's files in solutions/, in order (carried ones included)."""
+    found = set()
+    for py in (REPO / "solutions" / lesson).glob("*.py"):
+        found.update(gen.strip_solutions(py.read_text(), str(py))[1])
+    return tuple(sorted(found, key=_order))
+
+
+def needs_calls(source: str) -> list[tuple[int, list | None]]:
+    """Each ``needs_tasks(...)`` call of a cell: (line, its task ids), or (line, None) when an
+    argument is not a literal string."""
+    calls = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "needs_tasks":
+            literal = all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                          for a in node.args) and not node.keywords
+            calls.append((node.lineno, [a.value.removeprefix("Task ") for a in node.args]
+                          if literal else None))
+    return calls
+
+
+@cache
+def code_cells(path: Path) -> tuple[str, ...]:
+    nb = nbformat.read(path, as_version=4)
+    return tuple(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def unlocking_prefixes(path: Path) -> dict[int, int]:
+    """{k: the last code cell with a block that needs tasks[k]}: for each k, the blocks whose
+    last task is tasks[k] run first when the lesson's first k + 1 tasks are done. Without the
+    empty and the full prefix (the untouched tree and solutions/ run those)."""
+    tasks = lesson_tasks(path.stem)
+    last_cell = {}
+    for i, source in enumerate(code_cells(path)):
+        for _, named in needs_calls(source):
+            if named:
+                k = max(tasks.index(t) for t in named)
+                if k < len(tasks) - 1:
+                    last_cell[k] = i
+    return dict(sorted(last_cell.items()))
+
+
+def _keep(text: str, solved: set[str]) -> str:
+    """``text`` with every solution block of a task outside ``solved`` stubbed, as
+    make_exercises stubs it."""
     out, inside, keeping = [], False, False
     for line in text.splitlines(keepends=True):
         m = gen.BEGIN.match(line)
         if m:
-            inside, keeping = True, m["task"] == keep
+            inside, keeping = True, m["task"] in solved
             if not keeping:
                 hint = m["hint"].replace("\\", "\\\\").replace('"', '\\"')
-                out.append(f'{m["indent"]}raise NotImplementedError("Task {m["task"]}: {hint}")\n')
+                message = (gen.carried_stub(m["task"]) if gen.COPY_HINT.fullmatch(m["hint"])
+                           else f'Task {m["task"]}: {hint}')
+                out.append(f'{m["indent"]}raise NotImplementedError("{message}")\n')
             continue
         if gen.END.match(line):
             inside = keeping = False
@@ -58,52 +107,129 @@ def _keep_only(text: str, keep: str) -> str:
     return "".join(out)
 
 
-@pytest.fixture(scope="module")
-def half_done(tmp_path_factory) -> Path:
-    tree = tmp_path_factory.mktemp("half-done") / "tree"
-    shutil.copytree(REPO / "solutions", tree, ignore=shutil.ignore_patterns("__pycache__"))
-    first = _first_tasks()
-    for py in tree.glob("[0-9][0-9]_*/*.py"):
-        if py.name != gen.NOTEBOOK_SOURCE and py.parent.name in first:
-            py.write_text(_keep_only(py.read_text(), first[py.parent.name]))
+def build_tree(root: Path, lesson: str, solved: set[str]) -> Path:
+    """A lesson tree under ``root`` holding ``lesson`` with only the ``solved`` tasks solved."""
+    tree = root / "tree"
+    shutil.copytree(REPO / "solutions" / lesson, tree / lesson,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for py in (tree / lesson).glob("*.py"):
+        if py.name != gen.NOTEBOOK_SOURCE:
+            py.write_text(_keep(py.read_text(), solved))
     return tree
 
 
-def test_the_half_done_tree_has_one_task_solved_per_lesson(half_done):
-    first = _first_tasks()
-    assert first, "no tasks found"
-    for lesson, task in first.items():
-        text = "".join(p.read_text() for p in (half_done / lesson).glob("*.py"))
-        stubs = set(re.findall(r'NotImplementedError\("(Task \d\d\.\d+[a-z]?)', text))
-        assert f"Task {task}" not in stubs, f"{lesson}: its first task {task} is stubbed"
+def run_notebook(path: Path, tree: Path, monkeypatch, upto: int | None = None):
+    """Run the notebook's code cells (up to cell ``upto``) against ``tree``; return each
+    cell's printed text and what every ``needs_tasks`` block did."""
+    monkeypatch.setenv("DPT_TARGET", str(tree))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    cells = list(code_cells(path))[:None if upto is None else upto + 1]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in [*cells, REPORT_CELL]]
+    NotebookClient(nb, timeout=CELL_LIMIT_S, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    texts = ["".join(out.get("text", "") for out in cell.get("outputs", [])
+                     if out.get("output_type") == "stream") for cell in nb.cells]
+    report = texts.pop().split(REPORT, 1)[1]
+    return texts, json.loads(report)
+
+
+def check_blocks(lesson: str, solved: set[str], texts: list[str], blocks: list[dict]) -> None:
+    """No block whose tasks are all done skipped (but for GPUs this machine lacks), and no
+    skip names a task that is done or belongs to a later lesson."""
+    done = {f"Task {t}" for t in solved}
+    for i, text in enumerate(texts):
+        for task in SKIP_LINE.findall(text):
+            assert task not in done, f"code cell {i} skipped {task}, which is done:\n{text}"
+            assert task[5:7] <= lesson[:2], f"code cell {i} skipped a later lesson's {task}"
+    wrong = [b for b in blocks if b["skipped"] and "GPU" not in b["skipped"]
+             and set(b["tasks"]) <= done]
+    shown = "\n".join(t for t in texts if "skipped:" in t)
+    assert not wrong, (f"blocks whose tasks are all done ({sorted(solved)}) were skipped: "
+                       f"{wrong}. A block must name every task it uses, those of the cells "
+                       f"whose results it reads included. The skips:\n{shown}")
+
+
+# ------------------------------------------------------------------ what the notebooks declare
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_block_names_tasks_of_its_lesson(path):
+    tasks = lesson_tasks(path.stem)
+    for i, source in enumerate(code_cells(path)):
+        for line, named in needs_calls(source):
+            where = f"{path.name}, code cell {i}, line {line}"
+            assert named is not None, (
+                f"{where}: needs_tasks takes the task numbers as literal strings, "
+                'needs_tasks("05.2", "05.3"), so that the tests can read them')
+            unknown = [t for t in named if t not in tasks]
+            assert not unknown, (f"{where}: needs_tasks names {unknown}, which are not tasks of "
+                                 f"{path.stem} ({', '.join(tasks) or 'none'})")
+
+
+def test_the_prefixes_unlock_something_in_the_notebooks_with_tasks():
+    # the declarations are read: a notebook whose blocks name nothing would test nothing here
+    with_prefixes = [p.stem for p in NOTEBOOKS if unlocking_prefixes(p)]
+    assert {"01_single_device", "02_data_parallel", "05_ddp_from_scratch"} <= set(with_prefixes)
+    k = lesson_tasks("05_ddp_from_scratch").index
+    # naive and overlapped DDP are compared and drawn before bucketing exists
+    assert {k("05.3"), k("05.5")} <= set(unlocking_prefixes(REPO / "notebooks" /
+                                                            "05_ddp_from_scratch.ipynb"))
+
+
+def test_a_built_tree_has_exactly_its_prefix_solved(tmp_path):
+    lesson = "06_mixed_precision"  # its tasks include ones carried from lessons 01 and 03
+    tasks = lesson_tasks(lesson)
+    solved = set(tasks[:tasks.index("06.1") + 1])
+    tree = build_tree(tmp_path, lesson, solved)
+    text = "".join(p.read_text() for p in (tree / lesson).glob("*.py"))
+    stubs = set(re.findall(r'NotImplementedError\("Task (\d\d\.\d+[a-z]?)', text))
+    assert stubs == set(tasks) - solved, (sorted(stubs), sorted(solved))
+
+
+# ------------------------------------------------------------------ the notebooks, run
+
+PREFIX_CASES = [(path, k, upto) for path in NOTEBOOKS
+                for k, upto in unlocking_prefixes(path).items()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("path, k, upto", PREFIX_CASES,
+                         ids=[f"{p.stem}-upto-{lesson_tasks(p.stem)[k]}"
+                              for p, k, _ in PREFIX_CASES])
+def test_each_block_runs_with_just_its_own_tasks_done(path, k, upto, tmp_path, monkeypatch):
+    lesson = path.stem
+    solved = set(lesson_tasks(lesson)[:k + 1])
+    texts, blocks = run_notebook(path, build_tree(tmp_path, lesson, solved), monkeypatch, upto)
+    check_blocks(lesson, solved, texts, blocks)
+    last = lesson_tasks(lesson)[k]
+    newly = [b for b in blocks
+             if b["tasks"] and max((t.removeprefix("Task ") for t in b["tasks"]), key=_order) == last]
+    assert newly, f"no block that needs Task {last} ran"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_to_the_end_with_only_the_first_task_done(path, half_done, monkeypatch):
-    monkeypatch.setenv("DPT_TARGET", str(half_done))
-    monkeypatch.setenv("TQDM_DISABLE", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    lesson = path.stem
-    first = _first_tasks().get(lesson)
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        for out in cell.get("outputs", []):
-            text = out.get("text", "") if out.get("output_type") == "stream" else ""
-            for task in SKIP_LINE.findall(text):
-                assert task != f"Task {first}", f"a cell skipped the solved task {task}"
-                assert task[5:7] <= lesson[:2], f"{lesson} skipped a later lesson's {task}"
+def test_notebook_runs_to_the_end_on_the_untouched_exercises(path, monkeypatch):
+    """No task done: cells that need none run, the others skip in one line each. (Notebook
+    01 stopped at its loss plot: `maximum size for tensor at dimension 0 is 0 but size is
+    20`, the empty history of a training that was skipped.)"""
+    tree = REPO / "exercises"
+    texts, blocks = run_notebook(path, tree, monkeypatch)
+    check_blocks(path.stem, set(), texts, blocks)
+    if lesson_tasks(path.stem):
+        assert any(b["skipped"] for b in blocks), "nothing was skipped with no task done"
 
+
+# ------------------------------------------------------------------ needs_tasks itself
 
 def test_needs_tasks_skips_a_pending_task_and_what_depends_on_it(monkeypatch, capsys):
     import dpt.notebook as nbk
 
     monkeypatch.setattr(nbk, "_SKIPPED", [])
+    monkeypatch.setattr(nbk, "BLOCKS", [])
     with nbk.needs_tasks():
         raise NotImplementedError("Task 05.3: register the hooks")
     with nbk.needs_tasks():  # a rank's traceback, as run_distributed or mp.spawn report it
@@ -117,6 +243,8 @@ def test_needs_tasks_skips_a_pending_task_and_what_depends_on_it(monkeypatch, ca
     lines = capsys.readouterr().out.strip().splitlines()
     assert [SKIP_LINE.search(ln).group(1) for ln in lines] == ["Task 05.3", "Task 05.4",
                                                              "Task 04.1", "Task 05.3"]
+    assert [b["skipped"] for b in nbk.BLOCKS] == ["Task 05.3", "Task 05.4", "Task 04.1",
+                                                 "Task 05.3"]
     # A message that only mentions a task, with no stub's NotImplementedError, is a real error.
     with pytest.raises(RuntimeError), nbk.needs_tasks():
         raise RuntimeError("Task 05.3: the loss is nan after 3 steps")
@@ -132,6 +260,41 @@ def test_before_any_skip_a_name_error_is_a_real_error(monkeypatch):
         undefined_name  # noqa: B018, F821
 
 
+def test_a_block_that_names_a_skipped_task_is_skipped_whatever_it_raises(monkeypatch, capsys):
+    """Notebook 01's loss plot: the training cell skipped Task 01.1 and left an empty history,
+    and the plot stopped the notebook with `RuntimeError: maximum size for tensor at dimension
+    0 is 0 but size is 20`. A block that names the skipped task is skipped with it."""
+    import torch
+
+    import dpt.notebook as nbk
+
+    monkeypatch.setattr(nbk, "_SKIPPED", [])
+    monkeypatch.setattr(nbk, "BLOCKS", [])
+    history = []
+    with nbk.needs_tasks("01.1"):
+        raise NotImplementedError("Task 01.1: one optimization step")
+    with nbk.needs_tasks("01.1"):
+        torch.tensor(history).unfold(0, 20, 1)
+    out = capsys.readouterr().out
+    assert out.count("skipped: this cell needs Task 01.1") == 2, out
+    with pytest.raises(RuntimeError), nbk.needs_tasks("01.2"):  # it names another task
+        torch.tensor(history).unfold(0, 20, 1)
+    # solved and re-run: the task is done now, and its blocks' errors are errors again
+    with nbk.needs_tasks("01.1"):
+        history.extend([1.0] * 20)
+    with pytest.raises(RuntimeError), nbk.needs_tasks("01.1"):
+        torch.tensor(history).unfold(0, 40, 1)
+
+
+@pytest.mark.parametrize("bad", ["5.2", "Task 05", "05.2 05.3", 52])
+def test_needs_tasks_refuses_a_task_it_cannot_read(bad):
+    from dpt.notebook import needs_tasks
+
+    with pytest.raises(ValueError, match=r"^error: needs_tasks\(.*like needs_tasks\(\"05.2\""):
+        with needs_tasks(bad):
+            pass
+
+
 def test_scripts_started_from_a_notebook_do_not_inherit_a_launch(monkeypatch):
     # After a ddp_notebook cell the kernel holds these; a script inheriting LOCAL_RANK waits
     # for ranks that nobody starts (notebook 07's Fabric run hung that way).
@@ -142,3 +305,63 @@ def test_scripts_started_from_a_notebook_do_not_inherit_a_launch(monkeypatch):
     env = script_env(OMP_NUM_THREADS="1")
     assert "LOCAL_RANK" not in env and "MASTER_PORT" not in env
     assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == __import__("os").environ["PATH"]
+
+
+def _gpus(monkeypatch, n: int) -> None:
+    """This process sees ``n`` CUDA GPUs (0: none), as far as the notebook helpers ask."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_a_cell_that_needs_more_gpus_is_skipped_in_one_line(monkeypatch, capsys):
+    import dpt.notebook as nbk
+
+    monkeypatch.setattr(nbk, "_SKIPPED", [])
+    ran = []
+    for have in (0, 1, 2):
+        _gpus(monkeypatch, have)
+        with nbk.needs_tasks():
+            nbk.needs_gpus(2)
+            ran.append(have)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == ["skipped: this cell needs 2 GPUs, this machine has none",
+                     "skipped: this cell needs 2 GPUs, this machine has 1"]
+    assert ran == [2], "only the machine with 2 GPUs runs the rest of the cell"
+    with nbk.needs_tasks():  # what the skipped cell would have made is missing: skipped too
+        undefined_name  # noqa: B018, F821
+    assert capsys.readouterr().out.startswith("skipped: this cell needs 2 GPUs (it uses")
+
+
+def test_the_fork_cell_forks_only_while_cuda_is_untouched(monkeypatch):
+    # Notebook 07's ddp_notebook cell: a fork after CUDA was initialised in the kernel fails in
+    # every child ("Cannot re-initialize CUDA in forked subprocess"); the cell must see it.
+    import torch
+
+    from dpt.notebook import fork_blocker
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert fork_blocker() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    why = fork_blocker()
+    assert why and "CUDA" in why and "restart the kernel" in why
+
+
+@pytest.mark.parametrize("gpus, share, forced, expected, lightning", [
+    (0, "1", "auto", "cpu", "cpu"),     # no GPU: the variable changes nothing
+    (1, "", "auto", "cpu", "cpu"),      # Colab: 2 ranks, 1 GPU, NCCL needs one each
+    (1, "1", "auto", "cuda", "cpu"),    # ranks share the GPU with gloo; Lightning cannot
+    (2, "", "auto", "cuda", "cuda"),    # a GPU per rank
+    (2, "", "gloo", "cpu", "cpu"),      # the suite keeps its ranks on the CPU
+    (8, "", "auto", "cuda", "cuda"),
+])
+def test_ranks_device_follows_the_gpus_the_share_mode_and_the_forced_backend(
+        monkeypatch, gpus, share, forced, expected, lightning):
+    from dpt.notebook import ranks_device
+
+    _gpus(monkeypatch, gpus)
+    monkeypatch.setenv("DPT_SHARE_GPU", share)
+    monkeypatch.setenv("DPT_TEST_BACKEND", forced)
+    assert ranks_device(2) == expected
+    assert ranks_device(2, share=False) == lightning
