@@ -31,8 +31,14 @@ right above a function or method (its decorators included) makes ``make exercise
 that definition with the parent's definition of the same name (``Trainer._run_batch``,
 ``save_checkpoint``), so each carried function has one source, the lesson that introduced it.
 A solution block in a carried copy keeps its task id and reads ``copy your answer from lesson
-NN``, NN the task's lesson; in ``exercises/`` the marker becomes ``# from lesson NN_name,
-unchanged``. ``--check`` reports a carried copy that differs from its source.
+NN``, NN the task's lesson. ``--check`` reports a carried copy that differs from its source.
+
+In ``exercises/`` a carried copy's stub says where the answer comes from and how to get it
+there (:func:`carried_stub`: "Task 01.1: your answer from lesson 01; run `make carry` ..."), and the
+marker becomes ``# from lesson NN_name, unchanged: `make carry` updates it [carry 1a2b3c4d]``:
+``tools/carry_answers.py`` (``make carry``) copies the student's own definition from the parent
+lesson into each copy, and the fingerprint (:func:`fingerprint`, of the copy as last written
+there) tells it whether the student has since edited the copy by hand.
 
 Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anything is stale),
 ``--out DIR`` (write the trees under DIR instead of the repository).
@@ -44,6 +50,7 @@ import argparse
 import ast
 import difflib
 import filecmp
+import hashlib
 import json
 import re
 import shutil
@@ -72,6 +79,13 @@ GROWTH = (("01_single_device/single_device.py", "03_ddp_spawn/ddp_spawn.py"),
           ("03_ddp_spawn/ddp_spawn.py", "06_mixed_precision/ddp_amp.py"))
 CHANGES = "CHANGES.diff"
 CARRIED = re.compile(r"^(?P<indent>[ \t]*)# CARRIED FROM (?P<lesson>\d\d_[a-z0-9_]+)\b.*$", re.M)
+# The same line in the student's tree, with the fingerprint of the definition under it
+FROM = re.compile(r"^(?P<indent>[ \t]*)# from lesson (?P<lesson>\d\d_[a-z0-9_]+)\b(?P<rest>.*)$",
+                  re.M)
+FINGERPRINT = re.compile(r"\[carry (?P<fp>[0-9a-f]{8})\]")
+COPY_HINT = re.compile(r"copy your answer from lesson \d\d")  # what _as_carried writes
+STUB = re.compile(r'^(?P<indent>[ \t]*)raise NotImplementedError\("Task (?P<task>\d\d\.\d+[a-z]?)\b'
+                  r'.*\)[ \t]*$')
 
 
 class MarkerError(ValueError):
@@ -160,6 +174,55 @@ def _as_carried(block: list[str]) -> list[str]:
     return out
 
 
+def carried_stub(task: str) -> str:
+    """The message of a carried copy's stub in ``exercises/``: the same for the generator and
+    for ``make carry`` (which carries a parent's unfinished stub as this one)."""
+    return (f"Task {task}: your answer from lesson {task[:2]}; run `make carry` to bring it here, "
+            "or copy it by hand")
+
+
+def fingerprint(block: list[str]) -> str:
+    """8 hex digits naming a definition's text (trailing spaces aside)."""
+    text = "\n".join(line.rstrip() for line in block)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def from_marker(indent: str, lesson: str, block: list[str]) -> str:
+    """The line above a carried copy in the student's tree."""
+    return (f"{indent}# from lesson {lesson}, unchanged: `make carry` updates it "
+            f"[carry {fingerprint(block)}]\n")
+
+
+def carried_copies(text: str, where: str = "<text>") -> list[tuple[int, str, str, int, int]]:
+    """Each ``# from lesson`` line of a student's file and the definition under it, as
+    ``(marker line, lesson, name, start, end)`` (0-based lines, ``[start, end)``)."""
+    lines = text.splitlines(keepends=True)
+    mine = _definitions(text)
+    spans = {name: _span(lines, node) for name, node in mine.items()}
+    starts = {start: name for name, (start, _) in spans.items()}
+    found = []
+    for i, line in enumerate(lines):
+        m = FROM.match(line)
+        if not m:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j not in starts:
+            raise MarkerError(f"{where}:{i + 1}: '# from lesson' must stand right above a def")
+        found.append((i, m["lesson"], starts[j], *spans[starts[j]]))
+    return found
+
+
+def stamp(text: str, where: str = "<text>") -> str:
+    """``text`` with each ``# from lesson`` line holding its definition's fingerprint."""
+    lines = text.splitlines(keepends=True)
+    for i, lesson, _, start, end in carried_copies(text, where):
+        indent = FROM.match(lines[i])["indent"]
+        lines[i] = from_marker(indent, lesson, lines[start:end])
+    return "".join(lines)
+
+
 def carry(parent_text: str, child_text: str, parent: str, where: str = "<text>") -> str:
     """``child_text`` with every definition under a ``# CARRIED FROM <parent>`` line replaced
     by ``parent_text``'s definition of the same name."""
@@ -215,7 +278,10 @@ def strip_solutions(text: str, where: str = "<text>") -> tuple[str, list[str]]:
             if inside:
                 raise MarkerError(f"{where}:{lineno}: BEGIN SOLUTION inside another block")
             hint = m["hint"].replace("\\", "\\\\").replace('"', '\\"')
-            out.append(f'{m["indent"]}raise NotImplementedError("Task {m["task"]}: {hint}")\n')
+            message = f'Task {m["task"]}: {hint}'
+            if COPY_HINT.fullmatch(m["hint"]):  # a carried copy's block: `make carry` fills it
+                message = carried_stub(m["task"])
+            out.append(f'{m["indent"]}raise NotImplementedError("{message}")\n')
             tasks.append(m["task"])
             inside = lineno
             continue
@@ -298,8 +364,11 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
             continue
         source = carried.get(path, None) or path.read_text()
         text, found = strip_solutions(to_exercises_paths(source), str(rel))
-        # the student's tree is never regenerated: its carried code just says where it is from
-        text = CARRIED.sub(lambda m: f"{m['indent']}# from lesson {m['lesson']}, unchanged", text)
+        # the student's tree is never regenerated: its carried code says where it is from, and
+        # `make carry` (tools/carry_answers.py) brings the student's own answers there
+        if CARRIED.search(text):
+            text = stamp(CARRIED.sub(lambda m: f"{m['indent']}# from lesson {m['lesson']}", text),
+                         str(rel))
         if found and rel.name != NOTEBOOK_SOURCE:
             text = HEADER + text
             tasks.setdefault(rel.parts[0], []).extend(found)

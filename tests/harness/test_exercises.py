@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dpt.notebook import pending_task
 from tests.lessons import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -202,7 +203,11 @@ def test_no_command_in_the_students_tree_runs_the_solutions():
 # what a reader takes in as one step (PyTorch's DDP tutorial series grows by 40 and 59 lines).
 # gen.code_lines_changed counts lines added plus lines removed, and leaves out blank lines,
 # comment-only lines (solution markers included) and docstrings: prose may grow freely.
-CHANGE_BUDGET = 85
+# Issue #43 raised it from 85 to 100: lessons 03 and 04 now write out what dpt used to do for
+# them (init_process_group, mp.spawn, and main's data, model, optimizer and Trainer, as
+# multigpu.py does), while lesson 01 keeps its one-call run(): 01 -> 03 and 03 -> 04 change
+# about 90 lines each.
+CHANGE_BUDGET = 100
 
 
 def test_code_lines_changed_counts_code_only():
@@ -291,3 +296,182 @@ def test_every_growing_lesson_carries_code_and_its_copies_match_their_source():
         assert path.read_text() == text, (
             f"{path.relative_to(REPO)}: carried code was edited here; edit it in the lesson "
             "it comes from and run `make exercises`")
+
+
+# ---------------------------------- `make carry`: the student's own answers in the carried copies
+
+_CARRIED_NAMES = ("Trainer._run_batch", "save_checkpoint", "load_checkpoint")  # lesson 01's tasks
+_MAIN_01 = "01_single_device/single_device.py"
+
+
+def _carry_tool():
+    """tools/carry_answers.py, imported here so that its absence fails these tests only."""
+    import carry_answers
+    return carry_answers
+
+
+def _student_tree(tmp_path, fill_01=True):
+    """A student's course folder without solutions/: tools/ (the two scripts the command
+    needs) and a copy of exercises/, with lesson 01's tasks answered as solutions/ does."""
+    root = tmp_path / "course"
+    shutil.copytree(REPO / "exercises", root / "exercises",
+                    ignore=shutil.ignore_patterns(*gen.SKIP_DIRS))
+    (root / "tools").mkdir()
+    for name in ("carry_answers.py", "make_exercises.py"):
+        if (REPO / "tools" / name).is_file():
+            shutil.copy(REPO / "tools" / name, root / "tools" / name)
+    if fill_01:
+        _answer(root / "exercises" / _MAIN_01, REPO / "solutions" / _MAIN_01)
+    return root
+
+
+def _answer(exercise, solution):
+    """Replace each stub of ``exercise`` with the body of the same task's solution block."""
+    blocks, body = [], None
+    for line in solution.read_text().splitlines(keepends=True):
+        if (m := gen.BEGIN.match(line)):
+            body = (m["task"], [])
+        elif gen.END.match(line):
+            blocks.append(body)
+            body = None
+        elif body is not None:
+            body[1].append(line)
+    stub = re.compile(r'^\s*raise NotImplementedError\("(Task \d\d\.\d+[a-z]?)')
+    out = []
+    for line in exercise.read_text().splitlines(keepends=True):
+        m = stub.match(line)
+        if m:
+            task, lines = blocks.pop(0)
+            assert m[1] == f"Task {task}", f"{exercise.name}: stubs and solution blocks disagree"
+            out.extend(lines)
+        else:
+            out.append(line)
+    assert not blocks, f"{exercise.name}: solution blocks left over: {blocks}"
+    exercise.write_text("".join(out))
+
+
+def _definition(path, name):
+    text = path.read_text()
+    node = gen._definitions(text)[name]
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[slice(*gen._span(lines, node))])
+
+
+def _snapshot(tree):
+    return {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+def test_carried_stubs_say_that_make_carry_brings_the_answer():
+    """In exercises/ a carried copy's stub names its lesson and `make carry`; its marker holds
+    the fingerprint that lets `make carry` tell a copy the student edited by hand."""
+    for _, child in gen.GROWTH:
+        path = REPO / "exercises" / child
+        text = path.read_text()
+        lesson = path.parent.name[:2]
+        stubs = re.findall(r'NotImplementedError\("Task (\d\d)\.\d+[a-z]?(.*)"\)', text)
+        carried = [(nn, rest) for nn, rest in stubs if nn != lesson]
+        assert carried, f"{child}: no carried stub left to check"
+        for nn, rest in carried:
+            assert rest.startswith(f": your answer from lesson {nn}; run `make carry`"), (
+                f"{child}: a carried stub reads 'Task {nn}.K{rest}': it must say that "
+                "`make carry` brings the student's answer from that lesson")
+        markers = [line for line in text.splitlines() if line.strip().startswith("# from lesson")]
+        assert markers and all(re.search(r"\[carry [0-9a-f]{8}\]$", m) for m in markers), (
+            f"{child}: every '# from lesson' line needs its [carry <fingerprint>]: {markers}")
+    # a carried stub stays a stub to the harness, even in two ranks' interleaved tracebacks
+    stub = gen.carried_stub("01.1")
+    assert pending_task(NotImplementedError(stub)) == "Task 01.1"
+    assert pending_task(RuntimeError(f"NotImplementedErrorNotImplementedError: : {stub}")) == (
+        "Task 01.1")
+
+
+@pytest.mark.timeout(300)
+def test_make_carry_puts_the_students_lesson_01_answers_into_lesson_03(tmp_path):
+    """In a student's tree with no solutions/, one command copies their lesson-01 answers into
+    every carried copy (03, then 04 and 06 from 03), and lesson 03's tests of that code pass."""
+    root = _student_tree(tmp_path)
+    tree = root / "exercises"
+    assert not (root / "solutions").exists()
+    proc = subprocess.run([sys.executable, str(root / "tools" / "carry_answers.py")],
+                          capture_output=True, text=True, timeout=60, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    answers = {name: _definition(tree / _MAIN_01, name) for name in _CARRIED_NAMES}
+    for name, answer in answers.items():
+        assert "NotImplementedError" not in answer, f"lesson 01's {name} is still a stub"
+    for _, child in gen.GROWTH:
+        carried = {c[2] for c in gen.carried_copies((tree / child).read_text())} & set(answers)
+        assert carried >= {"save_checkpoint", "load_checkpoint"}, f"{child} carries {carried}"
+        for name in carried:
+            assert _definition(tree / child, name) == answers[name], (
+                f"{child}: {name} is not the student's lesson-01 answer after make carry:\n"
+                + proc.stdout)
+    assert "03_ddp_spawn/ddp_spawn.py: Trainer._run_batch" in proc.stdout, proc.stdout
+    # lesson 03's own tasks are not done: lessons 04 and 06 carry them as stubs
+    dataloader = _definition(tree / "04_ddp_torchrun/ddp_torchrun.py", "prepare_dataloader")
+    assert "Task 03.2: your answer from lesson 03; run `make carry`" in dataloader, dataloader
+    # lesson 03's DDP test runs task 01.1's _run_batch, carried: it was skipped, now it passes
+    node = "tests/l03_ddp_spawn/test_ddp_spawn.py::" \
+           "test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b"
+    run = _run_on(tree, node)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "1 passed" in out, out[-3000:]
+
+
+def test_make_carry_a_second_time_changes_nothing(tmp_path, capsys):
+    """Idempotent, and a fresh exercises/ (every parent still a stub) is already carried: the
+    generator and the command write the same copies."""
+    carry = _carry_tool()
+    fresh = _student_tree(tmp_path, fill_01=False) / "exercises"
+    before = _snapshot(fresh)
+    assert carry.main(["--tree", str(fresh)]) == 0
+    assert _snapshot(fresh) == before, "make carry changed a freshly generated exercises/"
+    filled = _student_tree(tmp_path / "filled") / "exercises"
+    assert carry.main(["--tree", str(filled)]) == 0
+    once = _snapshot(filled)
+    assert once != _snapshot(fresh), "the first run carried nothing"
+    capsys.readouterr()
+    assert carry.main(["--tree", str(filled)]) == 0
+    assert _snapshot(filled) == once, "a second make carry changed the tree"
+    assert " 0 updated" in capsys.readouterr().out
+
+
+def test_make_carry_keeps_a_copy_edited_by_hand_and_names_it(tmp_path, capsys):
+    carry = _carry_tool()
+    tree = _student_tree(tmp_path) / "exercises"
+    assert carry.main(["--tree", str(tree)]) == 0
+    child = tree / "03_ddp_spawn" / "ddp_spawn.py"
+    edited = child.read_text().replace("def save_checkpoint(path", "def save_checkpoint(  path")
+    assert edited != child.read_text()
+    child.write_text(edited)
+    parent = tree / _MAIN_01  # then the student changes the lesson-01 answer
+    parent.write_text(parent.read_text().replace(
+        "def save_checkpoint(path", "def save_checkpoint(path  "))
+    capsys.readouterr()
+    assert carry.main(["--tree", str(tree)]) == 1
+    out = capsys.readouterr()
+    kept = [line for line in out.out.splitlines() if "save_checkpoint" in line
+            and line.startswith(("kept: 03_ddp_spawn/ddp_spawn.py", "error: 03_ddp_spawn"))]
+    assert len(kept) == 1 and "by hand" in kept[0] and "--force" in kept[0], out
+    assert child.read_text() == edited, "a copy edited by hand was overwritten"
+    assert carry.main(["--tree", str(tree), "--lesson", "03", "--force"]) == 0
+    assert child.with_name(child.name + ".bak").read_text() == edited
+    assert (_definition(child, "save_checkpoint") == _definition(parent, "save_checkpoint"))
+    assert "overwrote" in capsys.readouterr().out
+
+
+def test_make_carry_refuses_bad_input_in_one_line(tmp_path, capsys):
+    carry = _carry_tool()
+    tree = _student_tree(tmp_path) / "exercises"
+    before = _snapshot(tree)
+    for argv in (["--tree", str(tmp_path / "nowhere")], ["--tree", str(tree), "--lesson", "05"],
+                 ["--tree", str(tmp_path)]):
+        assert carry.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+    parent = tree / _MAIN_01
+    parent.write_text(parent.read_text() + "\ndef broken(:\n")
+    assert carry.main(["--tree", str(tree)]) == 1
+    err = capsys.readouterr().err
+    assert "error: 01_single_device/single_device.py does not parse" in err, err
+    child = tree / "03_ddp_spawn" / "ddp_spawn.py"
+    assert child.read_bytes() == before[child], "carried from a file that does not parse"
