@@ -16,6 +16,9 @@ that jupyter-cache has not seen in this form and stores its outputs; ``cached`` 
 outputs and shows the other notebooks unexecuted (fast, never runs a kernel); ``off`` shows
 every notebook unexecuted.
 
+The README's lesson table is derived from the lesson folders (``lesson_table``):
+``--write-lesson-table`` rewrites it in README.md.
+
 Usage: ``python site/build.py [--out DIR] [--execute cache|cached|off] [--cache DIR]``
 """
 
@@ -47,6 +50,83 @@ SHARED_SOURCES = ("dpt", "benchmarks")
 
 def lessons() -> list[str]:
     return sorted(p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+# The README's lesson table is derived from the lesson folders: each README's title line
+# (``# Lesson NN: title``) and the task ids of its ``## Tasks`` table. ``--write-lesson-table``
+# rewrites it between these markers; a test fails when the README's copy is stale.
+TABLE_START, TABLE_END = "<!-- lesson-table -->", "<!-- /lesson-table -->"
+TITLE = re.compile(r"^#\s+Lesson\s+(\d\d):\s*(.+?)\s*$")
+TASK_ROW = re.compile(r"^\|\s*`?(\d\d\.\d+)`?\s*\|")
+
+
+def lesson_info(folder: Path) -> dict:
+    """A lesson folder's number, title and task ids, read from its README."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        raise SystemExit(f"error: {folder.name}/ has no README.md (every lesson needs one)")
+    text = readme.read_text()
+    first = text.lstrip().splitlines()[0] if text.strip() else ""
+    m = TITLE.match(first)
+    if not m or m[1] != folder.name[:2]:
+        raise SystemExit(f"error: {folder.name}/README.md must start with "
+                         f"'# Lesson {folder.name[:2]}: <title>' (it starts with {first!r})")
+    try:
+        body = section(text, "Tasks")
+    except SystemExit:
+        body = ""
+    tasks = []
+    for line in body.splitlines():
+        row = TASK_ROW.match(line)
+        if row and row[1] not in tasks:
+            tasks.append(row[1])
+    tasks.sort(key=lambda t: int(t.split(".")[1]))
+    return {"number": m[1], "folder": folder.name, "title": m[2], "tasks": tasks}
+
+
+def _task_span(tasks: list[str]) -> str:
+    if not tasks:
+        return "none"
+    nums = [int(t.split(".")[1]) for t in tasks]
+    if nums == list(range(nums[0], nums[0] + len(nums))) and len(nums) > 1:
+        return f"{tasks[0]}-{tasks[-1]}"
+    return ", ".join(tasks)
+
+
+def lesson_table(solutions: Path | None = None) -> str:
+    """The Markdown lesson table, one row per ``NN_name`` folder of ``solutions``."""
+    solutions = solutions or REPO / "solutions"
+    rows = ["| # | lesson | tasks |", "|---|---|---|"]
+    for folder in sorted(p for p in solutions.glob("[0-9][0-9]_*") if p.is_dir()):
+        info = lesson_info(folder)
+        rows.append(f"| {info['number']} | [{info['title']}](exercises/{info['folder']}/) "
+                    f"| {_task_span(info['tasks'])} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_lesson_table(text: str, table: str) -> str:
+    """``text`` (the README) with the block between the lesson-table markers set to ``table``."""
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"error: README.md lacks the markers {TABLE_START} and {TABLE_END}")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}"
+
+
+def readme_text() -> str:
+    """The README as the site shows it: with the lesson table derived from the folders now."""
+    return with_lesson_table((REPO / "README.md").read_text(), lesson_table())
+
+
+# Pages besides the lessons: every ``docs/*.md`` (these first, in this order, then any other
+# by name) and the benchmark page, which opens with ``benchmarks/README.md``.
+DOCS_ORDER = ("instructors", "grading", "machines", "troubleshooting", "maintainers")
+
+
+def doc_pages() -> list[str]:
+    names = [p.stem for p in (REPO / "docs").glob("*.md")]
+    return sorted(names, key=lambda n: (DOCS_ORDER.index(n) if n in DOCS_ORDER
+                                        else len(DOCS_ORDER), n))
 
 
 def split_fences(text: str):
@@ -155,8 +235,11 @@ class Assembler:
                 name = lesson.group(2)
                 new = os.path.relpath(self.src / "lessons" / f"{name}.ipynb", page_dir)
                 return f"[{m['text']}]({new}{'#' + frag if frag else ''})"
-            if rel == "README.md":
-                return f"[{m['text']}]({os.path.relpath(self.src / 'index.md', page_dir)})"
+            pages = {"README.md": "index.md", "benchmarks/README.md": "benchmarks.md",
+                     **{f"docs/{n}.md": f"docs/{n}.md" for n in doc_pages()}}
+            if rel in pages:
+                new = os.path.relpath(self.src / pages[rel], page_dir)
+                return f"[{m['text']}]({new}{'#' + frag if frag else ''})"
             if rel and file.is_file() and file.suffix.lower() in IMAGES | DOWNLOADS:
                 new = os.path.relpath(self.src / self.asset(file), page_dir)
                 return f"{m['bang']}[{m['text']}]({new}{m['title'] or ''})"
@@ -241,7 +324,7 @@ def sources_digest(name: str) -> str:
 def fill(asm: Assembler, template: Path, page: str) -> None:
     """A page from ``site/<template>``: each line ``<!-- README: Title -->`` becomes that
     section of the README (``intro``: the text before the first section)."""
-    readme = (REPO / "README.md").read_text()
+    readme = readme_text()
     out = []
     for line in template.read_text().splitlines():
         m = re.fullmatch(r"\s*<!-- README: (.+?) -->\s*", line)
@@ -257,6 +340,10 @@ def dashboard(asm: Assembler) -> None:
     ref = REPO / "benchmarks" / "reference"
     page = "benchmarks.md"
     text = [(SITE / "benchmarks.md").read_text().rstrip(), ""]
+    method = REPO / "benchmarks" / "README.md"
+    if method.is_file():
+        body = method.read_text().split("\n", 1)[1]  # without its title
+        text += [asm.links(body, method.parent, page).strip(), ""]
     summary = ref / "summary.md"
     if summary.is_file():
         text += ["## Summary table", "", shift_headings(summary.read_text(), 2), ""]
@@ -278,11 +365,14 @@ def assemble(src: Path, cache_only: Path | None = None) -> Assembler:
     names = lessons()
     for name in names:
         lesson_notebook(asm, name)
-    toc = "\n".join(f"lessons/{n}" for n in names)
+    for name in doc_pages():
+        doc = REPO / "docs" / f"{name}.md"
+        asm.write(f"docs/{name}.md", asm.links(doc.read_text(), doc.parent, f"docs/{name}.md"))
     fill(asm, SITE / "index.md", "index.md")
-    index = (src / "index.md").read_text().replace("<!-- LESSONS -->", toc)
+    index = (src / "index.md").read_text()
+    index = index.replace("<!-- LESSONS -->", "\n".join(f"lessons/{n}" for n in names))
+    index = index.replace("<!-- DOCS -->", "\n".join(f"docs/{n}" for n in doc_pages()))
     asm.write("index.md", index)
-    fill(asm, SITE / "instructors.md", "instructors.md")
     dashboard(asm)
     for stale in [p for p in src.rglob("*") if p.is_file() and p not in asm.written]:
         stale.unlink()  # a page or image whose source is gone
@@ -297,7 +387,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--execute", choices=MODES,
                     default=os.environ.get("DPT_SITE_EXECUTE") or "cache")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--write-lesson-table", action="store_true",
+                    help="rewrite README.md's lesson table from the lesson folders, then stop")
     args = ap.parse_args(argv)
+    if args.write_lesson_table:
+        readme = REPO / "README.md"
+        text = readme_text()
+        if text != readme.read_text():
+            readme.write_text(text)
+            print("site: README.md's lesson table rewritten from solutions/")
+        return 0
     start = time.monotonic()
     src, html = args.out / "src", args.out / "html"
     asm = assemble(src, args.cache if args.execute == "cached" else None)

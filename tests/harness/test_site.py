@@ -270,3 +270,97 @@ def test_every_page_opens_in_a_browser_without_errors(site, served, browser):
             problems.append(f"{page}: link to a missing anchor: {href}")
     print(f"{len(pages)} pages, {len(links)} internal links, {time.monotonic() - start:.0f} s")
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------- the lesson table and pages follow the folders
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("site_build", REPO / "site" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_lesson_table_is_the_one_derived_from_the_lesson_folders():
+    build = _build_module()
+    readme = (REPO / "README.md").read_text()
+    assert readme == build.with_lesson_table(readme, build.lesson_table()), (
+        "README.md's lesson table is stale: run `.venv/bin/python site/build.py "
+        "--write-lesson-table`")
+    for folder in sorted((REPO / "solutions").glob("[0-9][0-9]_*")):
+        info = build.lesson_info(folder)
+        assert f"](exercises/{folder.name}/)" in readme, f"{folder.name} is not in the table"
+        code = "".join(p.read_text() for p in folder.rglob("*.py"))
+        own = set(re.findall(rf"# BEGIN SOLUTION ({folder.name[:2]}\.\d+)\b", code))
+        assert set(info["tasks"]) == own, (
+            f"{folder.name}/README.md's '## Tasks' table lists {sorted(info['tasks'])}, its "
+            f"solution blocks are {sorted(own)} (one row '| NN.K | ...' per task)")
+
+
+def test_the_readme_stays_a_front_door_whose_links_resolve():
+    build = _build_module()
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, "README.md is the front door: keep it to 150 lines"
+    assert "make test" in readme and "make benchmark" in readme and "## Start here" in readme
+    asm = build.Assembler(Path("/nonexistent"))
+    for path in [REPO / "README.md", REPO / "benchmarks" / "README.md",
+                 *sorted((REPO / "docs").glob("*.md"))]:
+        asm.links(path.read_text(), path.parent, "index.md")
+    assert not asm.problems, "\n".join(asm.problems)
+
+
+def _fake_course(root: Path) -> None:
+    """A copy of the course's pages with lesson 01 and a new lesson 10, nothing else."""
+    shutil.copy(REPO / "README.md", root / "README.md")
+    shutil.copytree(REPO / "docs", root / "docs", ignore=shutil.ignore_patterns("gpu-check"))
+    (root / "benchmarks").mkdir()
+    shutil.copy(REPO / "benchmarks" / "README.md", root / "benchmarks" / "README.md")
+    (root / "dpt").mkdir()
+    (root / "notebooks").mkdir()
+    for tree in ("solutions", "exercises"):
+        shutil.copytree(REPO / tree / "01_single_device", root / tree / "01_single_device",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        new = root / tree / "10_pipelines"
+        new.mkdir()
+        (new / "README.md").write_text(
+            "# Lesson 10: pipeline parallelism\n\nStages on devices.\n\n## Goal\n\n- a pipe\n\n"
+            "## Tasks\n\n| task | where | what you write |\n|---|---|---|\n"
+            "| 10.2 | `schedule` | the 1F1B order |\n| 10.1 | `split` | the stages |\n")
+    shutil.copy(REPO / "notebooks" / "01_single_device.ipynb", root / "notebooks")
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": "## Pipelines"}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (root / "notebooks" / "10_pipelines.ipynb").write_text(json.dumps(nb))
+
+
+def test_a_new_lesson_folder_reaches_the_table_the_site_and_the_scores(tmp_path, monkeypatch):
+    pytest.importorskip("nbformat")
+    build = _build_module()
+    root = tmp_path / "course"
+    root.mkdir()
+    _fake_course(root)
+    monkeypatch.setattr(build, "REPO", root)
+    table = build.lesson_table()
+    assert "| 10 | [pipeline parallelism](exercises/10_pipelines/) | 10.1-10.2 |" in table, table
+    assert build.main(["--write-lesson-table"]) == 0
+    assert "exercises/10_pipelines/" in (root / "README.md").read_text()
+    asm = build.assemble(tmp_path / "src")
+    index = (tmp_path / "src" / "index.md").read_text()
+    assert "lessons/10_pipelines" in index and "pipeline parallelism" in index
+    assert (tmp_path / "src" / "lessons" / "10_pipelines.ipynb").is_file()
+    assert all((tmp_path / "src" / "docs" / p.name).is_file() for p in (root / "docs").glob("*.md"))
+    assert "docs/maintainers" in index
+    from tests.scoring import points_for
+
+    assert points_for("10.1") == points_for("10.2") > 0  # a new task scores without an entry
+    assert not [p for p in asm.problems if "10_pipelines" in p], asm.problems
+
+
+def test_a_lesson_readme_without_its_title_line_is_refused_in_one_line(tmp_path):
+    build = _build_module()
+    folder = tmp_path / "10_pipelines"
+    folder.mkdir()
+    (folder / "README.md").write_text("# Pipelines\n\n## Tasks\n")
+    with pytest.raises(SystemExit) as err:
+        build.lesson_info(folder)
+    assert str(err.value).startswith("error: 10_pipelines/README.md must start with '# Lesson 10:")
