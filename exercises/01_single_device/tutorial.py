@@ -12,11 +12,10 @@
 # | 01.3 | `save_checkpoint` / `load_checkpoint` | model, optimizer and epoch, safe from a crash mid-save |
 #
 # Run `make grade` to see which tasks pass; `HINTS.md` in the lesson folder helps when you are
-# stuck. This notebook calls your code from `exercises/01_single_device/` (the tests point it
-# at `solutions/`).
+# stuck. This notebook calls your code from `exercises/01_single_device/`.
 
 # %%
-from dpt.notebook import needs_tasks, use_lesson
+from dpt.notebook import dataset_label, needs_tasks, use_lesson
 
 use_lesson("01_single_device")
 
@@ -31,9 +30,10 @@ from dpt.device import pick_device
 from dpt.models import ConvNet, count_parameters
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## One device, whichever it is
@@ -93,7 +93,7 @@ with needs_tasks():
 # under a minute on two cores.
 
 # %%
-with needs_tasks():
+with needs_tasks("01.1"):
     torch.manual_seed(0)
     model = ConvNet()
     print(f"ConvNet: {count_parameters(model):,} parameters")
@@ -104,7 +104,7 @@ with needs_tasks():
     print(f"400 steps in {time.perf_counter() - start:.1f}s")
 
 # %%
-with needs_tasks():
+with needs_tasks("01.1"):  # the loss of every step the cell above trained
     window = 20
     smooth = torch.tensor(trainer.history).unfold(0, window, 1).mean(1)
     plt.figure(figsize=(6, 3))
@@ -113,7 +113,7 @@ with needs_tasks():
     plt.xlabel("step")
     plt.ylabel("cross-entropy")
     plt.legend()
-    plt.title("ConvNet on Fashion-MNIST")
+    plt.title(f"ConvNet on {dataset_label(DATASET)}, {len(trainer.history)} steps")
     plt.show()
 
 # %% [markdown]
@@ -124,10 +124,11 @@ with needs_tasks():
 # own shard of the test set: counts add across ranks, ratios do not.
 
 # %%
-with needs_tasks():
+with needs_tasks("01.2"):
     test = make_loader(DATASET, train=False, batch_size=1000)
     correct, total = sd.evaluate(model, test, device)
-    print(f"test accuracy after 400 steps: {correct / total:.4f} ({correct}/{total})")
+    print(f"{dataset_label(DATASET)} test accuracy after {len(trainer.history)} training steps: "
+          f"{correct / total:.4f} ({correct}/{total})")
 
 # %% [markdown]
 # ## Checkpoint, and load into a fresh model
@@ -135,16 +136,21 @@ with needs_tasks():
 # A checkpoint holds the model, the optimizer (momentum is state too) and the epoch, so that
 # training can resume where it stopped. It is written to a temporary file and renamed, so a
 # crash mid-save leaves the previous checkpoint intact.
+#
+# A new model is built on the CPU. `evaluate` sends the test batches to `device`, so the model
+# goes there first, as the `Trainer` does with its own: on a GPU, CUDA batches meeting CPU
+# weights stop with "Input type (torch.cuda.FloatTensor) and weight type (torch.FloatTensor)
+# should be the same".
 
 # %%
-with needs_tasks():
+with needs_tasks("01.2", "01.3"):  # evaluates, as the cell above
     import tempfile
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
         path = sd.save_checkpoint(Path(tmp) / "convnet.pt", model, optimizer, epoch=1)
-        fresh = ConvNet()
-        epoch = sd.load_checkpoint(path, fresh)["epoch"]
+        fresh = ConvNet().to(device)
+        epoch = sd.load_checkpoint(path, fresh, device=device)["epoch"]
         print(f"reloaded epoch {epoch}; accuracy {sd.evaluate(fresh, test, device)[0] / total:.4f}")
 
 # %% [markdown]

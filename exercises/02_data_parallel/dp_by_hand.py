@@ -24,7 +24,7 @@ its chunk's share of the full-batch gradient.
 On CUDA each step is torch's own primitive from ``torch.nn.parallel`` (given below). On the
 CPU there is one "device" per replica: replicas run in Python threads (torch releases the GIL
 inside its kernels), each with ``cores // N`` intra-op threads so that N replicas do not
-oversubscribe the cores. That CPU path is what you write, and what the tests grade.
+oversubscribe the cores. That CPU path is what you write.
 
 Honest limits of the CPU path: the autograd engine runs the CPU part of backward on one
 thread, so only the forward is parallel; on GPUs each device has its own backward thread.

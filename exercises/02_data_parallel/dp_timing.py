@@ -11,11 +11,12 @@ sizes, and plot latency against batch size. A fair clock needs three things:
   after ``model(x)`` measures the queueing, not the work;
 - the **median** of repeats, which one slow outlier (another process, a page fault) cannot move.
 
-Where there are at least two GPUs it compares the model on ``cuda:0`` with
-``nn.DataParallel`` over N GPUs. Without GPUs, a "device" is a share of the CPU cores: the
-1-device line is the model with ``cores // N`` intra-op threads, the N-device line is
-``DataParallelByHand`` with N replicas in threads, ``cores // N`` threads each, and a third
-line gives the single model all N shares as intra-op threads (the CPU's own way to use them).
+Where there are at least two GPUs it compares the model on ``cuda:0`` with ``nn.DataParallel``
+and with your ``DataParallelByHand`` over N GPUs. Without them, a "device" is a share of the
+CPU cores: the 1-device line is the model with ``cores // N`` intra-op threads, the N-device
+line is ``DataParallelByHand`` with N replicas in threads, ``cores // N`` threads each, and a
+third line gives the single model all N shares as intra-op threads (the CPU's own way to use
+them).
 
 Why DataParallel can be slower for small batches: every forward pays a fixed cost before any
 useful work: copying all the weights to each device (the replicas are rebuilt every call),
@@ -27,19 +28,15 @@ split starts to pay, approaching (never reaching) N times faster.
 
 Run it::
 
-    .venv/bin/python exercises/02_data_parallel/dp_timing.py                       # CPU: N = cores
+    .venv/bin/python exercises/02_data_parallel/dp_timing.py                       # N: every GPU, or core
     .venv/bin/python exercises/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
     .venv/bin/python exercises/02_data_parallel/dp_timing.py --out benchmarks/runs/lessons/l02_dp_timing
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import json
@@ -77,18 +74,40 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def sweep(batch_sizes: list[int], n_devices: int, model_name: str = "fashioncnn",
+def resolve_devices(n_devices: int | None = None) -> int:
+    """N, the number of devices of the study: by default every GPU where there are at least
+    two, else every core (at least 2). An N asked for must exist: on a machine with GPUs,
+    one device per GPU at most (``nn.DataParallel`` refuses an id past the last GPU)."""
+    gpus = gpu_count()
+    if n_devices is None:
+        return gpus if gpus >= 2 else max(2, cpu_budget())
+    if n_devices < 1:
+        raise ValueError(f"--devices must be at least 1, got {n_devices}")
+    if gpus >= 2 and n_devices > gpus:
+        raise ValueError(f"--devices {n_devices}: only {gpus} GPUs here (ids 0 to {gpus - 1}); "
+                         f"ask for at most {gpus}")
+    return n_devices
+
+
+def sweep(batch_sizes: list[int], n_devices: int | None = None, model_name: str = "fashioncnn",
           warmup: int = 3, repeats: int = 10, threads_per_device: int | None = None,
           progress=None) -> dict:
-    """Latency (median seconds) per batch size for 1 device and for N devices."""
+    """Latency (median seconds) per batch size for 1 device and for N devices.
+
+    ``n_devices=None`` picks N as ``dp_timing.py`` does without ``--devices``; an N this
+    machine cannot give is refused (``ValueError``), by the same rule as ``--devices``.
+    """
+    n_devices = resolve_devices(n_devices)
     torch.manual_seed(0)
     model = build_model(model_name).eval()
     gpus = gpu_count()
     result = {"model": model_name, "n_devices": n_devices, "batch_sizes": batch_sizes,
               "warmup": warmup, "repeats": repeats, "lines": {}}
     if gpus >= 2 and n_devices >= 2:
-        dp, root = wrap(model, list(range(n_devices)))  # task 02.7: the model is now on root
-        variants = {"1 GPU": model, f"DataParallel, {n_devices} GPUs": dp}
+        ids = list(range(n_devices))
+        dp, root = wrap(model, ids)  # task 02.7: the model is now on root
+        variants = {"1 GPU": model, f"DataParallel, {n_devices} GPUs": dp,
+                    f"DP by hand, {n_devices} GPUs": DataParallelByHand(model, device_ids=ids)}
         result.update(kind="cuda", label=f"{n_devices} x {torch.cuda.get_device_name(0)}")
         threads = {name: torch.get_num_threads() for name in variants}
     else:
@@ -152,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Lesson 02: inference latency, 1 vs N devices.")
     p.add_argument("--batch-sizes", default="1,4,16,64,256,1024")
     p.add_argument("--devices", type=int, default=None,
-                   help="N (default: every GPU, or every core without GPUs)")
+                   help="N (default: every GPU where there are two or more, else every core, "
+                        "at least 2)")
     p.add_argument("--model", default="fashioncnn", choices=sorted(MODELS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
@@ -177,12 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         sizes = parse_batch_sizes(args.batch_sizes)
-        n = args.devices if args.devices is not None else (
-            gpu_count() if gpu_count() >= 2 else cpu_budget())
-        if n < 1:
-            raise ValueError(f"--devices must be at least 1, got {n}")
-        if gpu_count() >= 2 and n > gpu_count():
-            raise ValueError(f"--devices {n}: only {gpu_count()} GPUs here")
+        n = resolve_devices(args.devices)
         if args.repeats < 1 or args.warmup < 0:
             raise ValueError("--repeats must be >= 1 and --warmup >= 0")
         out = Path(args.out)
@@ -193,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if gpu_count() < 2:
         print(f"{gpu_count()} GPU(s): timing DataParallelByHand on the CPU with {n} replicas "
               "(nn.DataParallel would just call the model here).")
+    elif n >= 2:
+        print(f"{gpu_count()} GPUs: timing one GPU, nn.DataParallel and DataParallelByHand "
+              f"over GPUs 0 to {n - 1}.")
     result = sweep(sizes, n, args.model, args.warmup, args.repeats, args.threads_per_device,
                    progress=print)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -41,9 +41,10 @@ from dpt.dist import cpu_budget
 from dpt.models import MLP, ConvNet
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## `nn.DataParallel` on this machine
@@ -65,7 +66,7 @@ with needs_tasks():
 # the replicas' gradients into the root's parameters, where the optimizer steps.
 
 # %%
-with needs_tasks():
+with needs_tasks("02.7"):
     prepare("fashion-mnist")
     torch.manual_seed(0)
     train = make_loader("fashion-mnist", train=True, batch_size=64, seed=0)
@@ -87,7 +88,7 @@ with needs_tasks():
 # Save `dp_model.module.state_dict()` and the checkpoint loads anywhere, wrapped or not.
 
 # %%
-with needs_tasks():
+with needs_tasks("02.7", "02.8"):
     print("wrapper keys:", list(dp_model.state_dict())[:2])
     with tempfile.TemporaryDirectory() as tmp:
         path = dpl.save_plain(dp_model, Path(tmp) / "dp.pt", epoch=1)
@@ -115,7 +116,7 @@ with needs_tasks():
 # same time. On CUDA the same functions call torch's `nn.parallel` primitives.
 
 # %%
-with needs_tasks():
+with needs_tasks("02.1", "02.2", "02.4", "02.5"):
     x = torch.randn(7, 1, 28, 28)
     chunks = dbh.scatter(x, 3)
     print("scatter 7 samples over 3:", [len(c) for c in chunks])
@@ -134,7 +135,7 @@ with needs_tasks():
 # against one model on the full batch, with an uneven split:
 
 # %%
-with needs_tasks():
+with needs_tasks("02.1", "02.2", "02.3", "02.4", "02.5", "02.6"):
     torch.manual_seed(0)
     model = ConvNet(batch_norm=False)
     single = copy.deepcopy(model)
@@ -155,7 +156,7 @@ with needs_tasks():
 # guarantees this for `device_ids[0]`), so it counts forwards, not samples or replicas.
 
 # %%
-with needs_tasks():
+with needs_tasks("02.1", "02.2", "02.4", "02.5", "02.6"):
     class Counting(nn.Module):
         def __init__(self):
             super().__init__()
@@ -189,7 +190,7 @@ with needs_tasks():
 # the other replicas update clones that are then thrown away.
 
 # %%
-with needs_tasks():
+with needs_tasks("02.1", "02.2", "02.4", "02.5", "02.6"):
     torch.manual_seed(0)
     bn_model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     xb = torch.randn(12, 4) + torch.linspace(-3, 3, 12)[:, None]  # chunks differ on purpose
@@ -212,14 +213,19 @@ with needs_tasks():
 # ## The timing study
 #
 # Does splitting the batch make inference faster? `time_forward` does warm-up runs first,
-# synchronizes the device before each clock read, and takes the median of repeats. Here a
-# "device" is a share of the CPU cores, `cores // N` threads. We compare one device, N devices
-# by hand, and one model given all the threads (the CPU's own intra-op parallelism). The
-# full sweep is `.venv/bin/python exercises/02_data_parallel/dp_timing.py`. This one is small so that the notebook stays quick.
+# synchronizes the device before each clock read, and takes the median of repeats. On a
+# machine with two or more GPUs a device is a GPU, and we compare one GPU with
+# `nn.DataParallel` and with your `DataParallelByHand` over all of them. Otherwise a "device"
+# is a share of the CPU cores, `cores // N` threads, and we compare one device, N devices by
+# hand, and one model given all the threads (the CPU's own intra-op parallelism).
+# `dp_timing.resolve_devices()` picks N, and refuses an N the machine does not have. The full
+# sweep is `.venv/bin/python exercises/02_data_parallel/dp_timing.py`. This one is small so
+# that the notebook stays quick.
 
 # %%
-with needs_tasks():
-    n = max(2, cpu_budget())
+with needs_tasks("02.1", "02.2", "02.4", "02.5", "02.6", "02.7", "02.9"):
+    n = dp_timing.resolve_devices()  # every GPU when there are two or more, else every core
+    print(f"N = {n} devices")
     result = dp_timing.sweep([1, 8, 64], n, model_name="convnet", warmup=2, repeats=3)
     fig = dp_timing.plot(result)
     plt.show()

@@ -17,28 +17,28 @@ processes itself with ``mp.spawn``, one per device, and each works out its place
 Run it, from the repository root, on your own tree::
 
     python exercises/03_ddp_spawn/ddp_spawn.py -g 2 --epochs 1
-    # two "nodes" on one machine: two terminals, the same port, -nr 0 and -nr 1. Each
-    # "node" sees its own GPU (on a CPU-only machine CUDA_VISIBLE_DEVICES changes nothing):
+    # two "nodes" on one machine: two terminals, the same port, -nr 0 and -nr 1; node 1 is
+    # told where node 0 is. Each "node" sees its own GPU (on a CPU-only machine
+    # CUDA_VISIBLE_DEVICES changes nothing):
     CUDA_VISIBLE_DEVICES=0 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 0 \\
         --master-port 29533 --threads 1
     CUDA_VISIBLE_DEVICES=1 python exercises/03_ddp_spawn/ddp_spawn.py -n 2 -g 1 -nr 1 \\
-        --master-port 29533 --threads 1
+        --master-addr 127.0.0.1 --master-port 29533 --threads 1
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
-
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,18 +46,36 @@ from torch.utils.data import DistributedSampler
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
-from dpt.dist import rank0_print, setup
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.device import gpu_for, pick_device, shares_gpu
+from dpt.dist import preflight, rank0_print
+from dpt.models import build_model
 
 
 def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
     """Join the job as process ``local_rank`` of machine ``args.nr``.
 
     ``args.nodes`` machines each start ``args.gpus`` processes; the ranks are numbered machine
-    after machine. Returns ``(rank, world_size, device)``; ``dpt.dist.setup`` does the joining
-    (backend, device, CPU threads) once it knows who this process is.
+    after machine. Returns ``(rank, world_size, device)``.
     """
-    raise NotImplementedError("Task 03.1: who is this process in the whole job? Then join the group")
+    raise NotImplementedError("Task 03.1: who is this process in the whole job?")
+    device = join_group(rank, world_size, local_rank, args.gpus, args)
+    return rank, world_size, device
+
+
+def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
+               args) -> torch.device:
+    """Join the process group as ``rank`` of ``world_size``; return this process's device.
+
+    The launcher has set MASTER_ADDR and MASTER_PORT: where rank 0 waits for the others. On
+    GPUs (``--device auto`` on a machine with GPUs, or ``cuda``) process ``local_rank`` of its
+    machine uses GPU ``local_rank`` (``gpu_for``), with NCCL; otherwise the CPU, with gloo
+    (gloo also when ``DPT_SHARE_GPU=1`` lets ranks share a GPU, which NCCL refuses).
+    ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
+    machine and checks that every rank chose the same backend, before anyone waits.
+    """
+    raise NotImplementedError("Task 03.6: the device, the backend that goes with it, then join the group")
+    return device
 
 
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
@@ -90,10 +108,10 @@ class Trainer:
         # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    # from lesson 01_single_device, unchanged
+    # from lesson 01_single_device, unchanged: `make carry` updates it [carry 64f5aa7e]
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimization step on one batch (already on the device); returns its loss."""
-        raise NotImplementedError("Task 01.1: copy your answer from lesson 01")
+        raise NotImplementedError("Task 01.1: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
@@ -112,7 +130,7 @@ class Trainer:
         file is complete."""
         raise NotImplementedError("Task 03.4: one writer, the unwrapped model, and everybody waits for it")
 
-    # from lesson 01_single_device, unchanged
+    # from lesson 01_single_device, unchanged: `make carry` updates it [carry bc52a6e1]
     def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
         """Run epochs ``epochs_run .. max_epochs-1``; returns each epoch's mean loss."""
         losses = []
@@ -136,7 +154,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     raise NotImplementedError("Task 03.5: count this rank's real samples, then add up over the ranks")
 
 
-# from lesson 01_single_device, unchanged
+# from lesson 01_single_device, unchanged: `make carry` updates it [carry 8f835573]
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     epoch: int, **extra) -> Path:
     """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
@@ -144,10 +162,10 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A crash in the middle of a save must never leave a broken file at ``path``, and the
     model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
-# from lesson 01_single_device, unchanged
+# from lesson 01_single_device, unchanged: `make carry` updates it [carry 16a59623]
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     device: torch.device | str = "cpu") -> dict:
@@ -156,17 +174,39 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
-def run(local_rank: int, args) -> dict:
-    """What each process of the job does (``mp.spawn`` calls it), from joining to leaving."""
+def main(local_rank: int, args) -> dict:
+    """One process of the job (``mp.spawn`` starts it): join, build, train, test, leave.
+
+    Returns ``{"accuracy", "seconds", "history"}`` (the loss of every step).
+    """
     rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                      checkpoint_path=args.checkpoint, resume_from=args.resume)
+        cli.deterministic(args.deterministic)
+        prepare_distributed(args.dataset)  # one process per machine unpacks the data
+        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                          args.checkpoint, args.progress, resume_from=args.resume)
+        rank0_print(cli.describe(args, device))
+        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+        correct, total = evaluate(trainer.model, test_data, device)
+        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        dist.destroy_process_group()
+        raise NotImplementedError("Task 03.6: leave the group, whatever happened")
+
+
+def launch(args) -> None:
+    """Start this machine's ``args.gpus`` processes, each running :func:`main`, and wait."""
+    raise NotImplementedError("Task 03.7: tell the processes where rank 0 waits, then start them")
 
 
 def build_parser():
@@ -177,4 +217,5 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(lambda args: cli.spawn(run, args), build_parser()))
+    # with_free_port: check -n/-g/-nr, choose the port, one error line if a process fails
+    sys.exit(cli.main(cli.with_free_port(launch), build_parser()))

@@ -17,7 +17,7 @@ plus what that takes (``CHANGES.diff``), as ``multigpu_torchrun.py`` grows from
 Run it, from the repository root, on your own tree (``torchrun`` is
 ``python -m torch.distributed.run``)::
 
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarts with gloo on torch 2.14 need it
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   # restarts need it (README: Common errors)
     torchrun --standalone --nproc-per-node=2 --max-restarts=2 \\
         exercises/04_ddp_torchrun/ddp_torchrun.py --epochs 3 --snapshot runs/l04/snap.pt
     # stop it (or kill one worker) mid-run, run the same command again: it resumes.
@@ -25,15 +25,12 @@ Run it, from the repository root, on your own tree (``torchrun`` is
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,8 +42,18 @@ from torch.utils.data import DistributedSampler
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
-from dpt.dist import LaunchError, TorchrunEnv, barrier, get_rank, get_world_size, rank0_print, setup
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.device import gpu_for, pick_device, shares_gpu
+from dpt.dist import (
+    LaunchError,
+    TorchrunEnv,
+    barrier,
+    get_rank,
+    get_world_size,
+    preflight,
+    rank0_print,
+)
+from dpt.models import build_model
 
 
 def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
@@ -63,18 +70,33 @@ def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
 def ddp_setup(args) -> tuple[int, int, torch.device]:
     """Join the job as the process torchrun says this is: ``(rank, world_size, device)``."""
     env = torchrun_env()
-    device = setup(env.rank, env.world_size, env.local_rank, args.device, timeout_s=args.timeout,
-                   threads=args.threads, local_world_size=env.local_world_size)
+    device = join_group(env.rank, env.world_size, env.local_rank, env.local_world_size, args)
     return env.rank, env.world_size, device
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 875a2c4a]
+def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
+               args) -> torch.device:
+    """Join the process group as ``rank`` of ``world_size``; return this process's device.
+
+    The launcher has set MASTER_ADDR and MASTER_PORT: where rank 0 waits for the others. On
+    GPUs (``--device auto`` on a machine with GPUs, or ``cuda``) process ``local_rank`` of its
+    machine uses GPU ``local_rank`` (``gpu_for``), with NCCL; otherwise the CPU, with gloo
+    (gloo also when ``DPT_SHARE_GPU=1`` lets ranks share a GPU, which NCCL refuses).
+    ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
+    machine and checks that every rank chose the same backend, before anyone waits.
+    """
+    raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    return device
+
+
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 3304742b]
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample (when the length does not divide, a few samples repeat to even the shares;
     none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    raise NotImplementedError("Task 03.2: copy your answer from lesson 03")
+    raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 class Trainer:
@@ -92,20 +114,25 @@ class Trainer:
         self.progress = progress
         self.epochs_run = 0  # epochs finished: train() continues from here
         self.history: list[float] = []  # the loss of every step, for the loss curve
-        if snapshot_path and os.path.exists(snapshot_path):
+        # Whether to resume is one decision, rank 0's, for every rank: ranks that each looked
+        # could disagree (a snapshot written between two looks) and hang. Every rank then reads
+        # the file from its own disk: without a filesystem that all nodes share, copy the
+        # snapshot to every node before a restart.
+        if snapshot_path and ckpt.exists_on_rank_0(snapshot_path):
             raise NotImplementedError("Task 04.5: resume where the snapshot left off")
+            ckpt.check_same_epoch(self.epochs_run, snapshot_path)  # no node had an old copy
         # DDP broadcasts rank 0's weights, then averages the gradients in every backward()
         self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    # from lesson 03_ddp_spawn, unchanged
+    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 64f5aa7e]
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimization step on one batch (already on the device); returns its loss."""
-        raise NotImplementedError("Task 01.1: copy your answer from lesson 01")
+        raise NotImplementedError("Task 01.1: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
-    # from lesson 03_ddp_spawn, unchanged
+    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry ef3752b8]
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        raise NotImplementedError("Task 03.3: copy your answer from lesson 03")
+        raise NotImplementedError("Task 03.3: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
         self.model.train()
         losses = []
         for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
@@ -132,7 +159,7 @@ class Trainer:
         return losses
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 9e31ef6a]
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     """``(correct, total)`` over the WHOLE dataset, the same on every rank, as ints.
@@ -141,10 +168,10 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    raise NotImplementedError("Task 03.5: copy your answer from lesson 03")
+    raise NotImplementedError("Task 03.5: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 8f835573]
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     epoch: int, **extra) -> Path:
     """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
@@ -152,10 +179,10 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A crash in the middle of a save must never leave a broken file at ``path``, and the
     model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 16a59623]
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     device: torch.device | str = "cpu") -> dict:
@@ -164,7 +191,7 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
 # A snapshot is lesson 01's checkpoint ("model", "optimizer", "epoch": epochs finished) plus
@@ -189,14 +216,31 @@ def load_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     raise NotImplementedError("Task 04.4: model, optimizer and this rank's random-number state back")
 
 
-def run(args) -> dict:
-    """What each process of the job does (torchrun starts it), from joining to leaving."""
+def main(args) -> dict:
+    """One worker of the job (torchrun starts it): join, build, train, test, leave.
+
+    Returns ``{"accuracy", "seconds", "history"}`` (the loss of every step).
+    """
     rank, world_size, device = ddp_setup(args)
     try:
-        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                      snapshot_path=args.snapshot)
+        cli.deterministic(args.deterministic)
+        prepare_distributed(args.dataset)  # one process per machine unpacks the data
+        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                          args.snapshot, args.progress)
+        rank0_print(cli.describe(args, device))
+        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+        correct, total = evaluate(trainer.model, test_data, device)
+        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        dist.destroy_process_group()
+        raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 def build_parser():
@@ -206,4 +250,4 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(run, build_parser()))
+    sys.exit(cli.main(main, build_parser()))

@@ -18,10 +18,13 @@
 # | 04.4 | `load_snapshot` | every rank loads it, and gets its own RNG state back |
 # | 04.5 | `Trainer.__init__` | a restarted job resumes where the snapshot left off |
 #
-# Blocks marked "copy your answer from lesson 01/03" are earlier tasks: paste your code.
+# The functions marked `from lesson 03_ddp_spawn` are your earlier answers (lessons 01 and
+# 03): run `make carry` at the course's root to copy them there. `ddp_setup` hands torchrun's
+# numbers to your lesson-03 `join_group`, which joins the group as before; the processes are
+# started by torchrun, so there is no `launch` here.
 
 # %%
-from dpt.notebook import needs_tasks, script_env, use_lesson
+from dpt.notebook import needs_tasks, ranks_device, script_env, use_lesson
 
 folder = use_lesson("04_ddp_torchrun")
 
@@ -44,9 +47,10 @@ DATASET = "mnist" if is_present("mnist") else "fashion-mnist"  # MNIST after `ma
 prepare(DATASET)
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## What torchrun tells each worker
@@ -66,7 +70,7 @@ prepare(DATASET)
 # worker 3 of 4 on the second machine would see it after one restart:
 
 # %%
-with needs_tasks():
+with needs_tasks("04.1"):
     print(lesson.torchrun_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                                "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}))
 
@@ -94,7 +98,7 @@ with needs_tasks():
 
 # %%
 with needs_tasks():
-    print("exit code:", lesson.cli.main(lesson.run, lesson.build_parser(), ["--local_rank=0"]))
+    print("exit code:", lesson.cli.main(lesson.main, lesson.build_parser(), ["--local_rank=0"]))
 
 # %% [markdown]
 # ## Why this notebook launches a script
@@ -107,16 +111,18 @@ with needs_tasks():
 # One variable must be set wherever the course starts torchrun:
 # `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`. By default torchrun's agent shares its rendezvous
 # key-value store with the workers. After a restart, workers can then read keys left over from
-# the previous attempt, and on torch 2.14 with gloo they may never meet again (pytorch/pytorch
+# the previous attempt, and with gloo they may never meet again (pytorch/pytorch
 # #167288 is the same trap with NCCL). The variable gives each attempt a fresh store.
 
 # %%
 with needs_tasks():
     SCRIPT = folder / "ddp_torchrun.py"
     work = Path(tempfile.mkdtemp(prefix="l04-"))
+    DEVICE = ranks_device(2)  # cuda with a GPU per worker (or DPT_SHARE_GPU=1), else cpu
+    print("workers on:", DEVICE)
     TINY = ["--dataset", DATASET, "--epochs", "3", "--limit-batches", "40", "--train-limit", "4096", "--test-limit", "1000",
-            "--batch-size", "32", "--threads", "1", "--no-progress", "--device", "cpu",
-            "--timeout", "300"]
+            "--batch-size", "32", "--threads", "1", "--no-progress", "--device", DEVICE,
+            "--deterministic", "--timeout", "300"]
 
 
     def torchrun(*args, nproc=2, max_restarts=0, log="run.log"):
@@ -147,7 +153,9 @@ with needs_tasks():
 # again; they find the snapshot and go on from there. Both runs start at once to save time.
 
 # %%
-with needs_tasks():
+# the whole script, every task of the lesson
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+                 "04.5"):
     def kill_a_worker_after_first_snapshot(proc, snapshot, timeout=600):
         """SIGKILL one worker of the torchrun agent `proc` once `snapshot` exists."""
         deadline = time.monotonic() + timeout
@@ -181,9 +189,10 @@ with needs_tasks():
 # equal those of the run that never failed.
 
 # %%
-with needs_tasks():
-    a = torch.load(work / "clean.pt", weights_only=True)["model"]
-    b = torch.load(work / "faulty.pt", weights_only=True)["model"]
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+                 "04.5"):
+    a = torch.load(work / "clean.pt", weights_only=True, map_location="cpu")["model"]
+    b = torch.load(work / "faulty.pt", weights_only=True, map_location="cpu")["model"]
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     print(f"largest difference over {len(a)} tensors: {diff:g}",
           "(bit for bit)" if all(torch.equal(a[k], b[k]) for k in a) else "")
@@ -212,15 +221,18 @@ with needs_tasks():
 # - the epoch, so `set_epoch(epoch)` gives the `DistributedSampler` the same shuffle (it is
 #   seeded by `seed + epoch`; the snapshot keeps the seed);
 # - each rank's RNG state, gathered to rank 0 (nothing in this ConvNet draws random numbers
-#   during training, but dropout or augmentation would, and then a resume without it differs).
+#   during training, but dropout or augmentation would, and then a resume without it differs);
+# - and the same arithmetic: the CPU kernels used here are deterministic, and on GPUs
+#   `--deterministic` asks cuDNN and cuBLAS for deterministic ones too.
 #
 # A kill that strikes mid-epoch throws that partial epoch away: it is redone after the restart.
 # That is the price of snapshots at epoch boundaries: up to `save-every` epochs of lost work.
 # Here is what rank 0 wrote:
 
 # %%
-with needs_tasks():
-    snap = torch.load(work / "faulty.pt", weights_only=True)
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+                 "04.5"):
+    snap = torch.load(work / "faulty.pt", weights_only=True, map_location="cpu")
     for key, value in snap.items():
         if key == "model":
             print(f"{key:10} {len(value)} tensors, no 'module.' prefix: "
@@ -239,7 +251,7 @@ with needs_tasks():
 # and the restart would fail on it: the fault would have destroyed the very thing meant to
 # survive it. `dpt.checkpoint.atomic_save` writes to a temporary file in the same folder,
 # `fsync`s it, and renames it over the old one; on POSIX the rename is atomic, so the path
-# holds either the old snapshot or the new one. The tests kill a writer halfway and check. A
+# holds either the old snapshot or the new one. A
 # snapshot that is corrupted anyway (copied badly, disk full) stops every rank with one line:
 # `error: checkpoint .../snapshot.pt is corrupted or not a torch checkpoint (...)`.
 #

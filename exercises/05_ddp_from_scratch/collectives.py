@@ -24,19 +24,15 @@ ring model ``t = alpha + 2 (N-1)/N * bytes / bandwidth``.
 Every rank function here builds its tensors on ``dpt.dist.rank_device()`` (the GPU under
 NCCL, the CPU under gloo), and the timers synchronize that device before reading the clock.
 
-Timing study (rank processes started by ``dpt.testing.run_distributed``)::
+Timing study (rank processes started by ``dpt.ranks.run_distributed``)::
 
     python exercises/05_ddp_from_scratch/collectives.py --world-size 2 --max-mb 64
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import json
@@ -224,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import collectives  # ranks import the function by module name, not from __main__
 
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
 
     sizes, s = [], int(args.min_kb * 1024)
     while s <= args.max_mb * 2**20:

@@ -6,10 +6,16 @@ SGD steps with every wrapper of this lesson and with torch DDP, each rank on its
 Fashion-MNIST batch, and returns the weights, so the notebook can compare them with one
 process trained on the whole batch. Models and batches go to ``dpt.dist.rank_device()``.
 
-:func:`timeline_rank` records one training step of ``NaiveDDP`` and ``BucketedDDP``: when
-each layer's gradients are ready, when each all-reduce starts and ends, and the optimizer
-step (``figures/backward_timeline.py`` draws it). :func:`plot_step_split` draws the step
-split of ``benchmarks/bench_l05_scratch_vs_torch.py``, for the notebook and the benchmark.
+:func:`timeline_rank` records training steps of ``NaiveDDP``, ``OverlapDDP`` and
+``BucketedDDP``, taken in turns: when each layer's gradients are ready, when each all-reduce
+starts and ends, and the optimizer step (``figures/backward_timeline.py`` draws it).
+:func:`plot_step_split` draws the step split of ``benchmarks/bench_l05_scratch_vs_torch.py``,
+for the notebook and the benchmark.
+
+A wrapper that reaches a task you have not done yet does not stop the others: both functions
+note the task's message in its place (every rank stops that wrapper at the same point, so the
+ranks still agree on every collective), and :func:`result_of` raises it again in the
+notebook, where ``needs_tasks`` turns it into one ``skipped:`` line for that wrapper.
 """
 
 from __future__ import annotations
@@ -48,8 +54,19 @@ def train(model, x, y, steps: int, sync=lambda: None):
     return model
 
 
+def _task_message(exc: NotImplementedError) -> str:
+    """The message of a task not done yet; any other NotImplementedError is raised again."""
+    from dpt.notebook import pending_task
+
+    if pending_task(exc) is None:
+        raise exc
+    return str(exc)
+
+
 def compare_rank(rank: int, world_size: int, x, y, steps: int = 5) -> dict:
-    """Train each wrapper from rank-dependent weights on this rank's slice; return states."""
+    """Train each wrapper from rank-dependent weights on this rank's slice; return states.
+
+    A wrapper whose code reaches a task not done yet gets that task's message instead."""
     from dpt.dist import rank_device
 
     device = rank_device()
@@ -58,11 +75,29 @@ def compare_rank(rank: int, world_size: int, x, y, steps: int = 5) -> dict:
     yr = y[rank * per_rank:(rank + 1) * per_rank].to(device)
     states = {}
     for name, wrapper in WRAPPERS.items():
-        model = wrapper(make_model(seed=rank, device=device))  # different start: broadcast fixes it
-        sync = getattr(model, "finish_gradient_synchronization", lambda: None)
-        train(model, xr, yr, steps, sync)
+        try:
+            model = wrapper(make_model(seed=rank, device=device))  # the broadcast fixes the start
+            sync = getattr(model, "finish_gradient_synchronization", lambda: None)
+            train(model, xr, yr, steps, sync)
+        except NotImplementedError as exc:
+            states[name] = _task_message(exc)
+            continue
         states[name] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return states
+
+
+def result_of(ranks: list[dict], name: str) -> list:
+    """Every rank's result for wrapper ``name``, from what :func:`compare_rank` or
+    :func:`timeline_rank` returned; raises the NotImplementedError of the task the wrapper
+    reached and found not done."""
+    found = [(r["runs"] if "runs" in r else r).get(name) for r in ranks]
+    for result in found:
+        if result is None:
+            raise KeyError(f"no result for {name!r} (a wrapper of this lesson: "
+                           f"{', '.join(WRAPPERS)})")
+        if isinstance(result, str):
+            raise NotImplementedError(result)
+    return found
 
 
 # ------------------------------------------------------------ backward against the all-reduces
@@ -99,21 +134,27 @@ def _ready_hook(recording: dict, layer_of: dict):
     return ready
 
 
+TIMELINE_WRAPPERS = ("naive", "overlap", "bucketed")
+
+
 def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024,
-                  depth: int = 6, bucket_cap_mb: float = 9.0, steps: int = 3,
+                  depth: int = 6, bucket_cap_mb: float = 9.0, steps: int = 7,
                   warmup: int = 2) -> dict:
     """When, in one training step, each layer's gradients are ready, each all-reduce runs and
-    the optimizer steps, for ``NaiveDDP`` and ``BucketedDDP`` (rank fn).
+    the optimizer steps, for ``NaiveDDP``, ``OverlapDDP`` and ``BucketedDDP`` (rank fn).
 
     Milliseconds of this rank's clock since ``loss.backward()`` was called. Layers: the time
     the last gradient of the layer was accumulated (a post-accumulate-grad hook registered
     after the wrapper's own). All-reduces: ``dist.all_reduce`` is wrapped for the recorded
     steps; a call is timed from launch to return, or, launched with ``async_op=True``, to the
-    moment its future completes. Of ``steps`` recorded steps per variant (after ``warmup``),
-    the one with the median length is kept. ``buckets`` lists, per bucket, the layers with a
-    parameter in it: a layer's bias (registered after its weight, so bucketed before it) can
-    close one bucket while its weight opens the next. The clock is the host's: on a GPU the
-    hooks fire when kernels are queued, not run, so measure this on the CPU (gloo).
+    moment its future completes. The wrappers take turns, one step each, ``warmup`` rounds
+    and then ``steps`` recorded ones, so that a machine busy for a while slows them all alike;
+    of each wrapper's ``steps`` recorded steps the one of median length is kept. ``buckets``
+    lists, per bucket, the layers with a parameter in it: a layer's bias (registered after its
+    weight, so bucketed before it) can close one bucket while its weight opens the next. A
+    wrapper that reaches a task not done yet gets the task's message instead of its step. The
+    clock is the host's: on a GPU the hooks fire when kernels are queued, not run, so measure
+    this on the CPU (gloo).
     """
     import time
 
@@ -143,20 +184,26 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                 event["done"] = time.perf_counter()
         return work
 
-    variants = {"naive": NaiveDDP,
+    wrappers = {"naive": NaiveDDP, "overlap": OverlapDDP,
                 "bucketed": lambda m: BucketedDDP(m, bucket_cap_mb=bucket_cap_mb)}
-    runs = {}
+    runs: dict = {}
+    live = {}  # name -> (model, optimizer, layer of each parameter, recorded steps)
     dist.all_reduce = traced_all_reduce
     try:
-        for name, wrap in variants.items():
+        for name in TIMELINE_WRAPPERS:
             torch.manual_seed(0)
-            model = wrap(timeline_model(width, depth).to(dev))
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            try:
+                model = wrappers[name](timeline_model(width, depth).to(dev))
+            except NotImplementedError as exc:
+                runs[name] = _task_message(exc)
+                continue
             layer_of = {id(p): n.split(".")[0] for n, p in model.module.named_parameters()}
             for p in model.module.parameters():
                 p.register_post_accumulate_grad_hook(_ready_hook(recording, layer_of))
-            recorded = []
-            for i in range(warmup + steps):
+            live[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01), layer_of, [])
+        for i in range(warmup + steps):
+            for name in list(live):
+                model, opt, layer_of, recorded = live[name]
                 opt.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(x), y)
                 dist.barrier()
@@ -165,7 +212,13 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                 t0 = time.perf_counter()
                 loss.backward()
                 t1 = time.perf_counter()
-                model.finish_gradient_synchronization()
+                try:
+                    model.finish_gradient_synchronization()
+                except NotImplementedError as exc:
+                    recording["log"] = None
+                    runs[name] = _task_message(exc)
+                    del live[name]
+                    continue
                 t2 = time.perf_counter()
                 opt.step()
                 t3 = time.perf_counter()
@@ -188,17 +241,19 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                     run["buckets"] = [list(dict.fromkeys(layer_of[id(p)] for p in b))
                                       for b in model.buckets]
                 recorded.append(run)
+        for name, (_, _, _, recorded) in live.items():
             recorded.sort(key=lambda r: r["step"][1])
-            runs[name] = recorded[len(recorded) // 2]
+            runs[name] = recorded[len(recorded) // 2]  # the step of median length
+            runs[name]["step_ms"] = [r["step"][1] for r in recorded]
     finally:
         dist.all_reduce = real_all_reduce
     grad_bytes = sum(p.numel() * p.element_size() for p in timeline_model(width, depth).parameters())
-    return {"rank": rank, "runs": runs,
+    return {"rank": rank, "runs": {name: runs[name] for name in TIMELINE_WRAPPERS},
             "config": {"world_size": world_size, "backend": dist.get_backend(),
                        "threads_per_rank": torch.get_num_threads(), "batch": batch,
                        "width": width, "depth": depth, "bucket_cap_mb": bucket_cap_mb,
                        "grad_mb": round(grad_bytes / 2**20, 2), "steps": steps,
-                       "warmup": warmup, "torch": torch.__version__}}
+                       "warmup": warmup, "interleaved": True, "torch": torch.__version__}}
 
 
 def plot_step_split(result: dict, path=None):

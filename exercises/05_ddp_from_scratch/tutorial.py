@@ -24,7 +24,9 @@
 #
 # Several processes cannot run functions defined in a notebook (each rank is a fresh process
 # that imports the function by name), so every rank runs code from the lesson files, launched
-# with `dpt.testing.run_distributed`: free port, gloo, one thread per rank, hard timeout.
+# with `dpt.ranks.run_distributed`: free port, one thread per rank, hard timeout; gloo on the
+# CPU, or NCCL when the machine has a GPU per rank. Every rank function puts its tensors on
+# `dpt.dist.rank_device()`, so the same code runs in both places.
 
 # %%
 from dpt.notebook import bench_result, needs_tasks, use_lesson
@@ -40,12 +42,15 @@ import collectives
 import scratch_demo
 from dpt.data import load_tensors, prepare
 from dpt.models import ConvNet
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Cells that compare the wrappers
+# have one such block per wrapper: naive and overlapped DDP show up as soon as their tasks are
+# done, bucketed DDP joins when yours is. Edits to your lesson files are picked up when you
+# re-run a cell.
 
 # %% [markdown]
 # ## 1. Collectives by hand
@@ -56,7 +61,7 @@ from dpt.testing import run_distributed
 # the reduce-scatter.
 
 # %%
-with needs_tasks():
+with needs_tasks():  # torch's own collectives: no task of yours
     for rank, out in enumerate(run_distributed(collectives.check_collectives, world_size=3,
                                                echo=False)):
         print(f"rank {rank}: {out}")
@@ -86,7 +91,7 @@ with needs_tasks():
 # colour of the points it was fitted to.
 
 # %%
-with needs_tasks():
+with needs_tasks("05.1"):
     sizes = [2**k for k in range(10, 23, 2)]
     timing = run_distributed(collectives.time_all_reduce, world_size=2, args=(sizes, 3),
                              timeout=300, echo=False)[0]
@@ -111,7 +116,9 @@ with needs_tasks():
 #
 # Each rank starts from *different* random weights (seeded by rank), trains on its half of a
 # batch of 64 Fashion-MNIST images, and at the end every wrapper must hold the weights of one
-# process trained on all 64 from rank 0's start.
+# process trained on all 64 from rank 0's start. Every wrapper starts with rank 0's weights
+# (task 05.2); a wrapper that reaches a task you have not done yet is skipped alone, and torch
+# DDP, which needs none of yours, is always there for comparison.
 
 # %%
 with needs_tasks():
@@ -120,9 +127,24 @@ with needs_tasks():
     states = run_distributed(scratch_demo.compare_rank, world_size=2, args=(x, y, 5),
                              timeout=180, echo=False)
     single = scratch_demo.train(scratch_demo.make_model(seed=0), x, y, steps=5).state_dict()
-    for name in states[0]:
-        diff = max((s[name][k] - v).abs().max().item() for s in states for k, v in single.items())
-        print(f"{name:10s} max |w - w_single| over both ranks: {diff:.2e}")
+
+
+def compare(name):
+    """The largest difference between a wrapper's weights, on either rank, and one process's."""
+    ranks = scratch_demo.result_of(states, name)  # a task not done yet: skipped
+    diff = max((s[k] - v).abs().max().item() for s in ranks for k, v in single.items())
+    print(f"{name:24s} max |w - w_single| over both ranks: {diff:.2e}")
+
+
+with needs_tasks("05.2", "05.3"):
+    compare("naive")
+with needs_tasks("05.2", "05.4", "05.5"):
+    compare("overlap")
+with needs_tasks("05.2", "05.6", "05.7", "05.8"):
+    compare("bucketed")
+    compare("bucketed, grads as views")
+with needs_tasks():
+    compare("torch DDP")
 
 # %% [markdown]
 # ## Buckets (task 05.6)
@@ -133,7 +155,7 @@ with needs_tasks():
 # the whole model in one bucket):
 
 # %%
-with needs_tasks():
+with needs_tasks("05.6"):
     convnet = ConvNet()
     named = [(n, p) for n, p in convnet.named_parameters() if p.requires_grad]
     for cap in (0.05, 1e-9, 25):
@@ -146,24 +168,50 @@ with needs_tasks():
 # %% [markdown]
 # ## Backward against the all-reduces: a timeline
 #
-# What overlap buys, drawn from a real step. `scratch_demo.timeline_rank` trains an MLP with
+# What overlap buys, drawn from real steps. `scratch_demo.timeline_rank` trains an MLP with
 # big layers (6 x `Linear(1024, 1024)`, 4 MB of gradient each) on 2 CPU ranks with your
-# `NaiveDDP` and your `BucketedDDP` (9 MB buckets: two or three layers each), and records on
-# each rank when each layer's gradients are ready, when each all-reduce starts and finishes,
-# and the optimizer step. Backward computes the layers last to first. Naive starts talking
-# only once backward is over; bucketed launches a bucket's all-reduce the moment its last
-# gradient is in, while backward computes the layers below, and the step waits only for what
-# is still running. (On a 2-core CPU both ranks' compute and gloo's threads share the cores,
-# so the overlap is partial; on GPUs, NCCL runs on its own stream.) The lesson's README shows
-# the same figure, measured once (`figures/backward_timeline.svg`).
+# `NaiveDDP`, your `OverlapDDP` and your `BucketedDDP` (9 MB buckets: two or three layers
+# each), and records on each rank when each layer's gradients are ready, when each
+# all-reduce starts and finishes, and the optimizer step. The three take turns, one step each,
+# 7 times, and the picture shows each one's step of median length: one step alone can land
+# on a moment when the machine is busy with something else.
+#
+# Backward computes the layers last to first. Naive starts talking only once backward is
+# over. Overlap launches each gradient's all-reduce the moment the gradient is ready;
+# bucketed launches one all-reduce per bucket, the moment the bucket's last gradient is in,
+# while backward computes the layers below; the step waits only for what is still running,
+# so both should be done sooner than naive. (On a 2-core CPU both ranks' compute and gloo's
+# threads share the cores, so the overlap is partial, and a busy machine can reverse the
+# order: the cell says so when it does. On GPUs, NCCL runs on its own stream.) The lesson's
+# README shows the same figure, measured once (`figures/backward_timeline.svg`).
 
 # %%
 with needs_tasks():
     from figures import backward_timeline
 
-    measured = backward_timeline.measure()
+    measured = backward_timeline.measure(steps=7)
+
+
+def show(name):
+    """One wrapper's measured step, in numbers, on rank 0."""
+    run = scratch_demo.result_of(measured["ranks"], name)[0]  # a task not done yet: skipped
+    print(f"{name:9s} backward {run['backward'][1]:5.0f} ms, then waits "
+          f"{run['sync'][1] - run['sync'][0]:4.0f} ms; step done at {run['step'][1]:4.0f} ms "
+          f"(median of {len(run['step_ms'])} steps: {min(run['step_ms']):.0f} to "
+          f"{max(run['step_ms']):.0f} ms)")
+
+
+with needs_tasks("05.2", "05.3"):
+    show("naive")
+with needs_tasks("05.2", "05.4", "05.5"):
+    show("overlap")
+with needs_tasks("05.2", "05.6", "05.7", "05.8"):
+    show("bucketed")
+with needs_tasks("05.2", "05.3"):  # the wrappers measured so far, naive's at least
     backward_timeline.draw(measured)
     plt.show()
+    for line in backward_timeline.contradictions(measured):
+        print(line)
 
 # %% [markdown]
 # ## Bucket buffers: allocated once
@@ -189,10 +237,10 @@ with needs_tasks():
 #
 # With gradient accumulation, k micro-batches make one step. Only the last backward needs to
 # talk: inside `with model.no_sync():` the gradients just add up locally, and the sync after
-# the last micro-batch reduces the sum. The tests check that 2 micro-batches with `no_sync`
-# on the first give the same weights as one batch twice the size, and count the collectives
-# issued inside `no_sync()`: there must be none (the numbers alone cannot show it, since
-# averaging twice gives the same mean).
+# the last micro-batch reduces the sum. Right means: 2 micro-batches with `no_sync` on the
+# first give the same weights as one batch twice the size, and no collective is issued
+# inside `no_sync()` (the numbers alone cannot show that one, since averaging twice gives the
+# same mean).
 #
 # ## Speed
 #

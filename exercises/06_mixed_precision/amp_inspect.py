@@ -13,19 +13,15 @@ Two instruments for ``ddp_amp.py``'s training, which leave it unchanged:
   are fp32: they hold the fp32 parameters' gradients.
 
 :func:`ddp_dtypes` runs a few steps of lesson 06's ``Trainer`` with the hook on every rank;
-the notebook starts it with ``dpt.testing.run_distributed``::
+the notebook starts it with ``dpt.ranks.run_distributed``::
 
     .venv/bin/python exercises/06_mixed_precision/amp_inspect.py --precision bf16
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import sys
@@ -127,7 +123,7 @@ def ddp_dtypes(rank: int, world_size: int, precision: str = "bf16", steps: int =
 def main(args: argparse.Namespace) -> None:
     from ddp_amp import Trainer
 
-    from dpt.testing import run_distributed
+    from dpt.ranks import run_distributed
 
     device = torch.device("cpu")  # the CPU and gloo, on any machine
     choose_precision(device, args.precision)  # refuse fp16 here, in one line

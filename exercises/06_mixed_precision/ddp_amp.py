@@ -10,9 +10,10 @@ the loss so that small gradients survive fp16, unscales them before clipping and
 step, skips a step whose gradients overflowed, and adapts the scale; and the scaler's state
 goes into the checkpoint. Nothing about DDP changes: it all-reduces the fp32 gradients.
 
-``--precision`` (``dpt.precision``): ``fp32``, ``bf16``, ``fp16`` (a CUDA GPU), or ``auto``,
-which each rank resolves for its own device: bf16 on GPUs of compute capability 8 and up,
-fp16 with a scaler on older ones; on a CPU bf16 only with bf16 instructions, else fp32.
+``--precision`` (``dpt.precision``): ``fp32``, ``bf16``, ``fp16`` (a CUDA GPU), or ``auto``:
+bf16 on GPUs of compute capability 8 and up, fp16 with a scaler on older ones; on a CPU bf16
+only with bf16 instructions, else fp32. The ranks agree on one: on GPUs of two generations,
+the best precision both run.
 
 Run it, from the repository root, on your own tree::
 
@@ -23,18 +24,17 @@ Run it, from the repository root, on your own tree::
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
-
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,38 +42,57 @@ from torch.utils.data import DistributedSampler
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
-from dpt.dist import rank0_print, setup
-from dpt.precision import NAMES, add_precision_argument, choose_precision
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
+from dpt.device import gpu_for, pick_device, shares_gpu
+from dpt.dist import preflight, rank0_print
+from dpt.models import build_model
+from dpt.precision import NAMES, add_precision_argument, agree_precision, choose_precision
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 68e95501]
 def ddp_setup(local_rank: int, args) -> tuple[int, int, torch.device]:
     """Join the job as process ``local_rank`` of machine ``args.nr``.
 
     ``args.nodes`` machines each start ``args.gpus`` processes; the ranks are numbered machine
-    after machine. Returns ``(rank, world_size, device)``; ``dpt.dist.setup`` does the joining
-    (backend, device, CPU threads) once it knows who this process is.
+    after machine. Returns ``(rank, world_size, device)``.
     """
-    raise NotImplementedError("Task 03.1: copy your answer from lesson 03")
+    raise NotImplementedError("Task 03.1: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    device = join_group(rank, world_size, local_rank, args.gpus, args)
+    return rank, world_size, device
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 875a2c4a]
+def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
+               args) -> torch.device:
+    """Join the process group as ``rank`` of ``world_size``; return this process's device.
+
+    The launcher has set MASTER_ADDR and MASTER_PORT: where rank 0 waits for the others. On
+    GPUs (``--device auto`` on a machine with GPUs, or ``cuda``) process ``local_rank`` of its
+    machine uses GPU ``local_rank`` (``gpu_for``), with NCCL; otherwise the CPU, with gloo
+    (gloo also when ``DPT_SHARE_GPU=1`` lets ranks share a GPU, which NCCL refuses).
+    ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
+    machine and checks that every rank chose the same backend, before anyone waits.
+    """
+    raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    return device
+
+
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 3304742b]
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample (when the length does not divide, a few samples repeat to even the shares;
     none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    raise NotImplementedError("Task 03.2: copy your answer from lesson 03")
+    raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 class Trainer:
     """Trains ``model`` on this rank's ``train_data``; rank 0 checkpoints every ``save_every``.
 
-    ``precision`` (see ``dpt.precision``) gives autocast's dtype on this rank's device,
+    ``precision`` (see ``dpt.precision``), the same on every rank, gives autocast's dtype,
     ``self.dtype`` (None: fp32). ``self.scaler`` is a GradScaler, enabled for fp16 only (a
-    disabled one passes everything through unchanged); ``scaler`` replaces it (the tests and
-    ``amp_train.py`` pass their own). ``max_norm``: clip the gradients' norm to it.
+    disabled one passes everything through unchanged); ``scaler`` replaces it (``amp_train.py``
+    passes its own, to watch the scale). ``max_norm``: clip the gradients' norm to it.
     """
 
     def __init__(self, model: nn.Module, train_data, optimizer: torch.optim.Optimizer,
@@ -88,7 +107,9 @@ class Trainer:
         self.save_every = save_every
         self.checkpoint_path = checkpoint_path
         self.progress = progress
-        self.dtype, scaled = choose_precision(device, precision)
+        # One precision for the whole job: ranks that each chose their own (bf16 on a new GPU,
+        # fp16 on an old one) would average scaled gradients with unscaled ones.
+        self.dtype, scaled = choose_precision(device, agree_precision(device, precision))
         self.scaler = scaler or torch.amp.GradScaler(device.type, enabled=scaled)
         self.max_norm = max_norm
         rank0_print(f"autocast {NAMES[self.dtype]}, loss scaling "
@@ -112,10 +133,10 @@ class Trainer:
         """
         raise NotImplementedError("Task 06.1: lesson 01's step, with autocast for the forward and the loss, and the scaler around backward, clipping and step")
 
-    # from lesson 03_ddp_spawn, unchanged
+    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry ef3752b8]
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        raise NotImplementedError("Task 03.3: copy your answer from lesson 03")
+        raise NotImplementedError("Task 03.3: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
         self.model.train()
         losses = []
         for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
@@ -130,7 +151,7 @@ class Trainer:
         nobody goes on before the file is complete."""
         raise NotImplementedError("Task 06.2: lesson 03's checkpoint, with the scaler's state in it")
 
-    # from lesson 03_ddp_spawn, unchanged
+    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry bc52a6e1]
     def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
         """Run epochs ``epochs_run .. max_epochs-1``; returns each epoch's mean loss."""
         losses = []
@@ -143,7 +164,7 @@ class Trainer:
         return losses
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 9e31ef6a]
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     """``(correct, total)`` over the WHOLE dataset, the same on every rank, as ints.
@@ -152,10 +173,10 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    raise NotImplementedError("Task 03.5: copy your answer from lesson 03")
+    raise NotImplementedError("Task 03.5: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 8f835573]
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     epoch: int, **extra) -> Path:
     """Save ``{"model", "optimizer", "epoch", **extra}`` to ``path``; return the path.
@@ -163,10 +184,10 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     A crash in the middle of a save must never leave a broken file at ``path``, and the
     model's keys carry no wrapper prefix (``module.``), so they load into a plain model.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
-# from lesson 03_ddp_spawn, unchanged
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 16a59623]
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     device: torch.device | str = "cpu") -> dict:
@@ -175,18 +196,41 @@ def load_checkpoint(path: str | Path, model: nn.Module,
 
     A missing or corrupted file raises ``dpt.checkpoint.CheckpointError``.
     """
-    raise NotImplementedError("Task 01.3: copy your answer from lesson 01")
+    raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
-def run(local_rank: int, args) -> dict:
-    """What each process of the job does (``mp.spawn`` calls it), from joining to leaving."""
+def main(local_rank: int, args) -> dict:
+    """One process of the job (``mp.spawn`` starts it): join, build, train, test, leave.
+
+    Returns ``{"accuracy", "seconds", "history"}`` (the loss of every step).
+    """
     rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                      checkpoint_path=args.checkpoint, resume_from=args.resume,
-                                      precision=args.precision, max_norm=args.clip or None)
+        cli.deterministic(args.deterministic)
+        prepare_distributed(args.dataset)  # one process per machine unpacks the data
+        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                          args.checkpoint, args.progress, resume_from=args.resume,
+                          precision=args.precision, max_norm=args.clip or None)
+        rank0_print(cli.describe(args, device))
+        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+        correct, total = evaluate(trainer.model, test_data, device)
+        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        dist.destroy_process_group()
+        raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+
+
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 52a9c4cd]
+def launch(args) -> None:
+    """Start this machine's ``args.gpus`` processes, each running :func:`main`, and wait."""
+    raise NotImplementedError("Task 03.7: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 def build_parser():
@@ -199,4 +243,5 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(lambda args: cli.spawn(run, args), build_parser()))
+    # with_free_port: check -n/-g/-nr, choose the port, one error line if a process fails
+    sys.exit(cli.main(cli.with_free_port(launch), build_parser()))

@@ -13,6 +13,10 @@
 # | 06.2 | `ddp_amp.Trainer._save_checkpoint`, and the resume in `__init__` | the scaler's state goes into lesson 03's checkpoint and comes back |
 # | 06.3 | `amp_inspect.recording_allreduce_hook` | a DDP comm hook that records the dtype it all-reduces, then all-reduces |
 # | 06.4 | `apex_amp.check_opt_level` | catch `'01'` (digit zero) for `'O1'` (letter O) |
+#
+# The rest of `ddp_amp.py` is lesson 03's, marked `from lesson 03_ddp_spawn` (or 01): the rank,
+# `join_group`, the data loader, `evaluate`, `launch`. Run `make carry` at the course's root to
+# copy your answers there.
 
 # %%
 from dpt.notebook import BENCH_REFERENCE, bench_result, needs_tasks, use_lesson
@@ -41,9 +45,10 @@ from dpt.models import MLP, ConvNet
 torch.set_num_threads(1)  # the timings below compare like with like, and leave a core free
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## 1. Three formats
@@ -125,7 +130,7 @@ with needs_tasks():
 # (`dpt.dist.group_of_one`):
 
 # %%
-with needs_tasks():
+with needs_tasks("06.1"):
     torch.manual_seed(0)
     convnet = ConvNet()
     with group_of_one(cpu):
@@ -165,7 +170,7 @@ with needs_tasks():
 # (which skips the step when a gradient is inf or NaN), and finally the scaler **updates** its
 # scale. `HINTS.md` in the lesson folder gives the API names if you are stuck.
 #
-# Five ways to get it wrong, and what each does (each is a test in `tests/l06_mixed_precision`):
+# Five ways to get it wrong, and what each does:
 # backward on the unscaled loss divides true gradients by `S` (a 65536x smaller step);
 # clipping before unscaling clips the scaled norm, so after unscaling the gradient is `S`
 # times too small; without the scaler's update the scale never backs off (every step after
@@ -173,13 +178,13 @@ with needs_tasks():
 # scaler applies inf gradients; and autocast around backward or the step is not what autocast
 # is for (backward already follows the forward's dtypes, and the optimizer must work in fp32).
 #
-# torch 2.x has a CPU GradScaler, so we can watch the fp16 *logic* here: fp32 compute, a
+# torch has a GradScaler for the CPU too, so we can watch the fp16 *logic* here: fp32 compute, a
 # scaler starting at 2^10 that grows every 5 good steps, and an inf injected at step 12, in a
 # job of one process as above (`amp_train.py` runs it the same way); `amp_train.watched_step`
 # reads the scale around each `_run_batch`.
 
 # %%
-with needs_tasks():
+with needs_tasks("06.1"):
     prepare("fashion-mnist", quiet=True)
     x_train, y_train = load_tensors("fashion-mnist", train=True)
     torch.manual_seed(0)
@@ -216,7 +221,7 @@ with needs_tasks():
 # waits) saves the scaler's state too, and `__init__` puts it back on resume.
 
 # %%
-with needs_tasks():
+with needs_tasks("01.3", "06.1", "06.2"):  # checkpoints the trainer of the cell above
     with tempfile.TemporaryDirectory() as tmp, group_of_one(cpu):
         trainer.checkpoint_path = Path(tmp) / "amp.pt"
         trainer._save_checkpoint(25)
@@ -233,13 +238,13 @@ with needs_tasks():
 # ## 6. bf16 on this CPU: does the loss follow fp32?
 #
 # Same seed, same batches, 100 steps of the MLP each way. The curves separate after a few
-# steps (any rounding difference is amplified by SGD), but the averaged losses agree. The test
-# suite checks the property on a held-out set, over three data orders: bf16's loss may not be
-# worse than fp32's by more than 0.05 nats (a CPU with native bf16 and one without take
-# different paths, so only a one-sided, averaged bound holds on both).
+# steps (any rounding difference is amplified by SGD), but the averaged losses agree: on a
+# held-out set, over three data orders, bf16's loss is not worse than fp32's by more than about
+# 0.05 nats (a CPU with native bf16 and one without take different paths, so only a one-sided,
+# averaged bound holds on both).
 
 # %%
-with needs_tasks():
+with needs_tasks("06.1"):
     def run(prec, steps=100, batch=16):
         torch.manual_seed(0)
         m = MLP()
@@ -281,12 +286,12 @@ with needs_tasks():
 #
 # The ranks are separate processes. A notebook's own functions cannot be pickled for them, so
 # we launch `amp_inspect.ddp_dtypes`, a function that lives in a lesson file and trains a few
-# steps of `ddp_amp.Trainer` with the hook, with `dpt.testing.run_distributed` (two CPU
-# processes, gloo, one thread each).
+# steps of `ddp_amp.Trainer` with the hook, with `dpt.ranks.run_distributed` (two processes,
+# gloo, one thread each; on the CPU, or on a shared GPU with `DPT_SHARE_GPU=1`).
 
 # %%
-with needs_tasks():
-    from dpt.testing import run_distributed
+with needs_tasks("06.1", "06.3"):
+    from dpt.ranks import run_distributed
 
     results = run_distributed(amp_inspect.ddp_dtypes, world_size=2, backend="gloo",
                               kwargs={"precision": "bf16", "steps": 4, "batch_size": 16},
@@ -327,7 +332,7 @@ with needs_tasks():
 # the classic typo; `check_opt_level` turns it into an error that says so.
 
 # %%
-with needs_tasks():
+with needs_tasks("06.4"):
     for level in ["O2", "01"]:
         try:
             print(level, "->", apex_amp.check_opt_level(level))

@@ -8,28 +8,32 @@ DistributedSampler, wrap the model in DDP, move every batch by hand. ``fabric_ep
 the same loop after the Fabric conversion; the lines that changed are marked ``# Fabric``.
 Fabric launches the processes, picks the device, adds the sampler and wraps the model.
 
-    .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 CPU processes
+    .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2            # ddp on 2 GPUs, or 2 CPU processes
     .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2 --limit 2048 --epochs 2
+    .venv/bin/python exercises/07_lightning/fabric_ddp.py --devices 2 --accelerator cpu  # the CPU, GPUs or not
+
+``--accelerator auto`` (the default) takes the GPUs when there is one for each of
+``--devices``, else the CPU (Apple's MPS serves one process only): NCCL refuses two
+processes on one GPU.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from lit_train import UsageError, check_choices, resolve_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dpt.data import DataError, check_batch_size, load_tensors, prepare
+from dpt.device import mps_available
 from dpt.models import MLP
 
 
@@ -76,6 +80,30 @@ def fabric_epoch(fabric, model, optimizer, loader, max_batches: int | None = Non
     return losses
 
 
+def fabric_accelerator(requested: str, devices: int, cuda_count: int, mps: bool) -> str:
+    """The accelerator to hand Fabric for ``--accelerator requested --devices devices``.
+
+    ``lit_train.py``'s checks (a GPU accelerator needs CUDA; MPS serves one process), then:
+    an explicit GPU accelerator needs a GPU per process, and ``auto`` becomes ``cuda`` when
+    there is one, else the CPU (or MPS, for one process on a Mac).
+    """
+    accelerator = resolve_accelerator(requested, devices, cuda_count > 0, mps)
+    check_choices(accelerator, "ddp", "32-true", devices, cuda_count > 0,
+                  deepspeed_installed=False)
+    if accelerator in ("gpu", "cuda") and devices > cuda_count:
+        raise UsageError(f"--accelerator {accelerator} --devices {devices}: one GPU per "
+                         f"process, and this machine has {cuda_count}; use --devices "
+                         f"{cuda_count} or --accelerator cpu")
+    if accelerator != "auto":
+        return accelerator
+    if cuda_count >= devices:
+        return "cuda"
+    if cuda_count and os.environ.get("LOCAL_RANK", "0") == "0":  # once, not in every rank
+        print(f"note: {devices} devices but {cuda_count} GPU(s): the {devices} processes run "
+              "on the CPU with gloo (NCCL refuses two processes on one GPU)", file=sys.stderr)
+    return "mps" if mps and devices == 1 and not cuda_count else "cpu"
+
+
 def run(fabric, args) -> dict:
     """Everything after the launch; runs on every rank."""
     fabric.seed_everything(args.seed)
@@ -98,6 +126,8 @@ def run(fabric, args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Lesson 07: a raw loop trained with Fabric")
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu", "cuda", "mps"],
+                    help="auto: the GPUs if there is one per device, else the CPU")
     ap.add_argument("--strategy", default="ddp", choices=["ddp", "ddp_spawn", "auto"])
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -110,13 +140,15 @@ def main(argv=None) -> int:
         check_batch_size(args.batch_size)
         if args.devices < 1:
             raise ValueError(f"--devices must be at least 1, got {args.devices}")
+        accelerator = fabric_accelerator(args.accelerator, args.devices,
+                                         torch.cuda.device_count(), mps_available())
         prepare("fashion-mnist", quiet=True)
         from lightning_fabric import Fabric
 
         from dpt.dist import set_threads, threads_per_rank
 
         set_threads(threads_per_rank(args.devices))
-        fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+        fabric = Fabric(accelerator=accelerator, devices=args.devices, strategy=args.strategy)
         fabric.launch()  # ddp: re-runs this script for ranks 1..N-1, then sets up the group
         result = run(fabric, args)
     except (DataError, ValueError) as exc:

@@ -42,7 +42,7 @@ class FashionDataModule(pl.LightningDataModule):
 
     ``train_limit`` / ``val_limit`` keep the first samples of each split, for short runs.
     ``shuffle=False`` makes the order deterministic, so a 2-rank run and a 1-rank run with a
-    twice-as-large batch see exactly the same samples at each step (the tests rely on it).
+    twice-as-large batch see exactly the same samples at each step.
     """
 
     def __init__(self, dataset: str = dpt_data.DEFAULT_DATASET, data_dir: str | None = None,

@@ -15,12 +15,8 @@ On rank 0 the script prints one line ``RESULT {json}`` with the logged metrics.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import importlib.util

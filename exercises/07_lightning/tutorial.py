@@ -17,7 +17,16 @@
 # | 07.6 | `lit_migration.migrate_trainer_kwargs` | 1.x `Trainer` kwargs to 2.x |
 
 # %%
-from dpt.notebook import bench_result, check_run, needs_tasks, script_env, use_lesson
+from dpt.notebook import (
+    bench_result,
+    check_run,
+    dataset_label,
+    fork_blocker,
+    needs_tasks,
+    ranks_device,
+    script_env,
+    use_lesson,
+)
 
 use_lesson("07_lightning")
 
@@ -39,9 +48,10 @@ prepare("fashion-mnist")
 LESSON_DIR = os.path.dirname(lit_fashion.__file__)
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## The module and the datamodule
@@ -61,10 +71,90 @@ LESSON_DIR = os.path.dirname(lit_fashion.__file__)
 #   and `prepare_data` (one process per machine downloads) versus `setup` (every process
 #   builds the same split from the same seed).
 #
-# A tiny single-process fit first, in this kernel:
+# The next section trains them with two processes, before any other training in this
+# kernel, for a reason it explains.
+
+# %% [markdown]
+# ## Several processes from a notebook: why `ddp_notebook`
+#
+# `strategy="ddp"` starts the other ranks by **re-running the script** you launched
+# (`python your_script.py` with `LOCAL_RANK=1`). A Jupyter kernel is not a script, so there is
+# nothing to re-run. `ddp_spawn` starts fresh interpreters that must *unpickle* your module
+# and callbacks, and a class defined in a notebook cell cannot be imported by them.
+# `ddp_notebook` forks the kernel itself: the children already hold every cell's objects.
+# It is the one multi-process strategy that works inside Jupyter.
+#
+# **The trap: CUDA does not survive a fork.** Once anything in the kernel has initialised
+# CUDA, a forked process that touches it fails with "Cannot re-initialize CUDA in forked
+# subprocess", and only a kernel restart clears that. On a GPU machine a Lightning `fit`
+# initialises CUDA even with `accelerator="cpu"`: it saves and restores the CUDA random
+# state around its sanity check. So in a notebook the `ddp_notebook` cell must run before
+# any other training cell, which is why this one comes first. `fork_blocker()` checks; if
+# CUDA is already initialised (you re-ran this cell after the one below, on a GPU machine),
+# the cell runs the same training as a script instead, with `strategy="ddp"` and fresh
+# processes.
+#
+# Below: 2 CPU processes, `ddp_notebook`, on classes defined in lesson files.
+
+# %%
+with needs_tasks("07.1", "07.2", "07.3"):
+    blocker = fork_blocker()
+    if blocker is None:
+        pl.seed_everything(1, verbose=False)
+        dm2 = lit_fashion.FashionDataModule(batch_size=32, train_limit=2048, val_limit=512,
+                                            seed=1)
+        model2 = lit_fashion.LitClassifier(learning_rate=1e-3)
+        trainer2 = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook",
+                              max_epochs=1, logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False,
+                              num_sanity_val_steps=0)
+        trainer2.fit(model2, datamodule=dm2)
+        print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
+                                              for k, v in trainer2.callback_metrics.items()})
+    else:
+        print(f"no fork: {blocker}.\nThe same training runs as a script, strategy ddp:")
+        proc = subprocess.run(
+            [sys.executable, os.path.join(LESSON_DIR, "lit_train.py"), "--devices", "2",
+             "--strategy", "ddp", "--dataset", "fashion-mnist", "--batch-size", "32",
+             "--lr", "1e-3", "--train-limit", "2048", "--val-limit", "512", "--seed", "1"],
+            capture_output=True, text=True, timeout=600, env=script_env())
+        check_run(proc, "lit_train.py")
+        result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+        print("ddp, 2 processes:", {k: round(v, 4) for k, v in result.items()
+                                    if k in ("train_loss", "val_loss", "val_acc")})
+
+# %% [markdown]
+# The same run as a script, where `ddp` can re-run it:
+# `python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp --train-limit 2048`.
+# There each rank prints which sampler Lightning put in its loader: a `DistributedSampler` over
+# half of the data, though `FashionDataModule` made a plain shuffled `DataLoader`; and
+# `prepare_data` runs once, `setup` on both ranks. A gotcha worth knowing: for the training
+# loader Lightning's injected sampler **always shuffles** (seeded by `seed_everything`), even
+# when your `DataLoader` says `shuffle=False`.
+#
+# The GPU-only strategies stop with the reason on a machine without a GPU (checked here as if
+# this were one):
 
 # %%
 with needs_tasks():
+    import lit_train
+
+    for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp", "16-mixed")):
+        try:  # the check lit_train.py runs before it builds the Trainer
+            lit_train.check_choices("cpu", strategy, precision, 2, cuda_available=False,
+                                    deepspeed_installed=False)
+        except lit_train.UsageError as exc:
+            print(f"--strategy {strategy} --precision {precision} -> error: {exc}")
+
+# %% [markdown]
+# ## One process, in this kernel
+#
+# A tiny single-process fit in this kernel, with the loss of every step. On a GPU machine this
+# `fit` initialises CUDA here (see the trap above): run the `ddp_notebook` cell again after it
+# and that cell takes its fallback.
+
+# %%
+with needs_tasks("07.1", "07.2", "07.3"):
     pl.seed_everything(1, verbose=False)
     dm = lit_fashion.FashionDataModule(batch_size=64, train_limit=4096, val_limit=1000)
     model = lit_fashion.LitClassifier(learning_rate=1e-3)
@@ -88,56 +178,9 @@ with needs_tasks():
     plt.plot(history.losses)
     plt.xlabel("step")
     plt.ylabel("train loss")
-    plt.title("LitClassifier, 4096 Fashion-MNIST samples, 2 epochs")
+    plt.title(f"LitClassifier, {dm.train_limit} {dataset_label(dm.dataset)} samples, "
+              f"{trainer.current_epoch} epochs")
     plt.show()
-
-# %% [markdown]
-# ## Several processes from a notebook: why `ddp_notebook`
-#
-# `strategy="ddp"` starts the other ranks by **re-running the script** you launched
-# (`python your_script.py` with `LOCAL_RANK=1`). A Jupyter kernel is not a script, so there is
-# nothing to re-run. `ddp_spawn` starts fresh interpreters that must *unpickle* your module
-# and callbacks, and a class defined in a notebook cell cannot be imported by them.
-# `ddp_notebook` forks the kernel itself: the children already hold every cell's objects.
-# It is the one multi-process strategy that works inside Jupyter (and it refuses to run if
-# anything already initialized CUDA in the kernel, because CUDA does not survive a fork).
-#
-# Below: 2 CPU processes, `ddp_notebook`, on classes defined in lesson files. Then the same
-# training would run as a script with `ddp` or `ddp_spawn`.
-
-# %%
-with needs_tasks():
-    pl.seed_everything(1, verbose=False)
-    dm2 = lit_fashion.FashionDataModule(batch_size=32, train_limit=2048, val_limit=512, seed=1)
-    model2 = lit_fashion.LitClassifier(learning_rate=1e-3)
-    trainer2 = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_notebook", max_epochs=1,
-                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, num_sanity_val_steps=0)
-    trainer2.fit(model2, datamodule=dm2)
-    print("ddp_notebook, 2 processes:", {k: round(float(v), 4)
-                                          for k, v in trainer2.callback_metrics.items()})
-
-# %% [markdown]
-# The same run as a script, where `ddp` can re-run it (the tests do this, with a timeout):
-# `python exercises/07_lightning/lit_train.py --devices 2 --strategy ddp --train-limit 2048`.
-# There each rank prints which sampler Lightning put in its loader: a `DistributedSampler` over
-# half of the data, though `FashionDataModule` made a plain shuffled `DataLoader`; and
-# `prepare_data` runs once, `setup` on both ranks. A gotcha worth knowing: for the training
-# loader Lightning's injected sampler **always shuffles** (seeded by `seed_everything`), even
-# when your `DataLoader` says `shuffle=False`.
-#
-# The GPU-only strategies stop with the reason on this CPU machine:
-
-# %%
-with needs_tasks():
-    import lit_train
-
-    for strategy, precision in (("fsdp", "32-true"), ("deepspeed", "32-true"), ("ddp", "16-mixed")):
-        try:  # the check lit_train.py runs before it builds the Trainer
-            lit_train.check_choices("cpu", strategy, precision, 2, cuda_available=False,
-                                    deepspeed_installed=False)
-        except lit_train.UsageError as exc:
-            print(f"--strategy {strategy} --precision {precision} -> error: {exc}")
 
 # %% [markdown]
 # ## Which strategy when (the Lightning MNIST notebook's list, updated)
@@ -166,7 +209,7 @@ with needs_tasks():
 # this notebook uses `ddp_notebook`.
 
 # %%
-with needs_tasks():
+with needs_tasks("07.6"):
     from IPython.display import Markdown, display
 
     proc = subprocess.run([sys.executable, lit_migration.__file__], capture_output=True, text=True,
@@ -183,12 +226,14 @@ with needs_tasks():
 # `fabric_ddp.py` holds lesson 03's loop (`raw_ddp_epoch`) and the same loop after
 # conversion: `fabric.launch()` starts the ranks, `fabric.setup(model, optimizer)` wraps the
 # model in DDP, the `.to(device)` calls go, and two more changes, to the data loader and to
-# the backward, are task 07.5. Run with `devices=2` on CPU:
+# the backward, are task 07.5. Run with `devices=2`: on 2 GPUs when this machine has them
+# (`ranks_device(2, share=False)`: Fabric puts NCCL on CUDA, one GPU per rank), else on CPU:
 
 # %%
-with needs_tasks():
+with needs_tasks("07.5"):
     proc = subprocess.run([sys.executable, os.path.join(LESSON_DIR, "fabric_ddp.py"), "--devices",
-                           "2", "--limit", "1024"], capture_output=True, text=True, timeout=600,
+                           "2", "--accelerator", ranks_device(2, share=False), "--limit", "1024"],
+                          capture_output=True, text=True, timeout=600,
                           env=script_env())  # not the ddp_notebook run's LOCAL_RANK, MASTER_PORT
     check_run(proc, "fabric_ddp.py")
     print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")))
@@ -206,7 +251,7 @@ with needs_tasks():
 # With the notebook's MLP at batch 64 (a 7 ms step) Lightning reached **0.61x** per step (0.66x per
 # epoch): about 4.6 ms more per step, of which 0.36 ms is one collective Lightning adds every
 # step (a broadcast that lets all ranks stop together on SIGTERM). A framework's per-step cost
-# is roughly fixed: judge it on steps big enough to matter. The lesson's README has the table. The
+# is roughly fixed: judge it on steps big enough to matter. The lesson's NOTES.md has the table. The
 # cell below draws the committed result files (or yours, once you rerun the script):
 
 # %%

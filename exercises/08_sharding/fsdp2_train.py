@@ -14,18 +14,14 @@ gradients are reduce-scattered as soon as its backward is done.
     .venv/bin/python exercises/08_sharding/fsdp2_train.py --save fsdp_full.pt  # full state dict, rank 0
     .venv/bin/python exercises/08_sharding/fsdp2_train.py --lightning          # Lightning's one-liner
 
-Ranks are started by ``dpt.testing.run_distributed`` (free port, fail fast, timeout): the
+Ranks are started by ``dpt.ranks.run_distributed`` (free port, fail fast, timeout): the
 worker is a function of this file, so the notebook can start it too.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
-if importlib.util.find_spec("torch") is None:  # not the course's venv: say so in one line
-    sys.exit(f"error: {sys.executable} has no torch; use the course's venv: .venv/bin/python "
-             f"{sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
 import sys
@@ -160,9 +156,10 @@ def train_worker(rank: int, world_size: int, mode: str = "fsdp2", steps: int = 5
 
 
 def lightning_fsdp_trainer(accelerator: str = "auto", devices: int = 2, **trainer_kwargs):
-    """Lightning's FSDP is one argument: ``strategy="fsdp"``. It needs CUDA GPUs.
+    """Lightning's FSDP is one argument: ``strategy="fsdp"``. It needs a CUDA GPU per device.
 
-    On a machine without them this raises a RuntimeError that says so, and what to use.
+    On a machine without them, or with fewer than ``devices``, this raises a RuntimeError
+    that says so, and what to use.
     """
     import pytorch_lightning as pl
 
@@ -170,6 +167,12 @@ def lightning_fsdp_trainer(accelerator: str = "auto", devices: int = 2, **traine
         raise RuntimeError(
             "Lightning's strategy='fsdp' only runs on CUDA GPUs (its FSDPStrategy refuses "
             "accelerator='cpu', see lesson 07); this machine has none. On CPU, shard with "
+            "torch's fully_shard over gloo, as shard_model() in this lesson does.")
+    gpus = torch.cuda.device_count()
+    if isinstance(devices, int) and devices > gpus:
+        raise RuntimeError(
+            f"Lightning's strategy='fsdp' with devices={devices} needs {devices} GPUs, one per "
+            f"process, and this machine has {gpus}: use devices={gpus} (--nproc {gpus}), or "
             "torch's fully_shard over gloo, as shard_model() in this lesson does.")
     return pl.Trainer(accelerator=accelerator, devices=devices, strategy="fsdp",
                       **trainer_kwargs)
@@ -199,7 +202,7 @@ def main(argv=None) -> int:
         if args.data == "synthetic" and args.steps > 10_000:
             raise ValueError("--steps too large for synthetic data")
         from dpt.dist import threads_per_rank
-        from dpt.testing import run_distributed
+        from dpt.ranks import run_distributed
 
         results = run_distributed(
             train_worker, world_size=args.nproc, backend="auto", timeout=args.timeout,

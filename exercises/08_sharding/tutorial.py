@@ -17,9 +17,21 @@
 # | 08.5 | `fsdp2_train.full_state_dict` | gather a full state dict onto rank 0 |
 
 # %%
-from dpt.notebook import bench_result, needs_tasks, use_lesson
+from dpt.notebook import (
+    bench_result,
+    check_run,
+    dataset_label,
+    needs_gpus,
+    needs_tasks,
+    ranks_device,
+    script_env,
+    use_lesson,
+)
 
 use_lesson("08_sharding")
+
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import torch
@@ -28,12 +40,13 @@ import fsdp2_train as ft
 import zero_accounting as acc
 import zero_optimizer as zo
 from dpt.models import ConvNet, count_parameters
-from dpt.testing import run_distributed
+from dpt.ranks import run_distributed
 
 # %% [markdown]
-# Each cell below runs inside `with needs_tasks():`. A cell that reaches a task you have not
-# done yet prints `skipped: this cell needs Task NN.K` instead of a traceback, and the rest of
-# the notebook still runs. Edits to your lesson files are picked up when you re-run a cell.
+# Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
+# that reaches a task you have not done yet prints `skipped: this cell needs Task NN.K` instead
+# of a traceback, and the rest of the notebook still runs. Edits to your lesson files are
+# picked up when you re-run a cell.
 
 # %% [markdown]
 # ## 1. The accounting
@@ -51,7 +64,7 @@ from dpt.testing import run_distributed
 # | ZeRO-3 / FSDP | 4P/N | 4P/N | 8P/N |
 
 # %%
-with needs_tasks():
+with needs_tasks("08.1"):
     P = count_parameters(ConvNet())
     print(f"ConvNet: P = {P:,} parameters")
     for stage in acc.STAGES:
@@ -74,6 +87,19 @@ with needs_tasks():
     plt.show()
 
 # %% [markdown]
+# The same count as a picture: for the ConvNet on 4 ranks, what each rank keeps of each
+# kind. Every bar's length is what your `predict_bytes` returns; the pale bar behind it is
+# the whole, as one process holds it, and a rank's shard is drawn where its 1/N slice sits.
+# From one row to the next, one more kind is cut into four.
+
+# %%
+with needs_tasks("08.1"):
+    from figures import zero_stages
+
+    zero_stages.draw(P, world_size=4)
+    plt.show()
+
+# %% [markdown]
 # Activations come on top, and they are not sharded by any of these stages (that is what
 # activation checkpointing and tensor/sequence parallelism are for).
 #
@@ -81,7 +107,7 @@ with needs_tasks():
 # `numel * element_size` over the parameters, gradients and the optimizer's state tensors.
 
 # %%
-with needs_tasks():
+with needs_tasks("08.1"):
     torch.manual_seed(0)
     model = ConvNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -97,7 +123,7 @@ with needs_tasks():
 # count: greedily give the biggest remaining tensor to the least-loaded rank.
 
 # %%
-with needs_tasks():
+with needs_tasks("08.2"):
     sizes = [p.numel() for p in ConvNet().parameters()]
     owners = zo.partition_params(sizes, 2)
     for r in range(2):
@@ -113,7 +139,7 @@ with needs_tasks():
 # function in a file, started by `run_distributed` (free port, fail fast, timeout).
 
 # %%
-with needs_tasks():
+with needs_tasks("08.2", "08.3"):
     for r in run_distributed(zo.demo_worker, world_size=2, kwargs={"steps": 5}, echo=False):
         print(f"rank {r['rank']}: max |plain - sharded| = {r['max_diff']:.1e}; Adam state "
               f"{r['sharded_state'] / 1024:.1f} KiB of {r['plain_state'] / 1024:.1f} KiB "
@@ -124,8 +150,8 @@ with needs_tasks():
 # half: ZeRO-1 shards whole tensors, and `fc.weight` alone is over half the ConvNet. FSDP
 # (below) cuts every tensor instead. `ShardedOptimizer.reduce_gradients()` goes one stage
 # further (ZeRO-2): used instead of DDP, it reduces each gradient only to its owner and frees
-# it elsewhere. torch ships the stage-1 idea as `ZeroRedundancyOptimizer`; the tests check
-# ours against it.
+# it elsewhere. torch ships the stage-1 idea as `ZeroRedundancyOptimizer`; ours must take the
+# same steps.
 #
 # ## 3. FSDP2: `fully_shard`
 #
@@ -133,28 +159,36 @@ with needs_tasks():
 # rank stores 1/N of it. Apply it to each block, then to the root: before a block's forward
 # FSDP all-gathers its parameters, after it frees them, and in backward it reduce-scatters the
 # block's gradients, so a rank's gradients and Adam state are 1/N as well. It runs on CPU
-# with gloo. We train the ConvNet on Fashion-MNIST with 2 ranks, and the same with DDP.
+# with gloo too. We train the ConvNet on Fashion-MNIST with 2 ranks, and the same with DDP:
+# on the GPUs when this machine has one per rank, else on the CPU (`ranks_device(2)` says
+# which).
 
 # %%
-with needs_tasks():
-    runs = {}
-    for mode in ("fsdp2", "ddp"):
-        runs[mode] = run_distributed(ft.train_worker, world_size=2, timeout=240, echo=False,
-                                     kwargs={"mode": mode, "steps": 30, "batch_size": 64,
-                                             "data": "fashion-mnist"})
+runs = {}
+SETUP = {"steps": 30, "batch_size": 64, "data": "fashion-mnist"}
+with needs_tasks("08.4", "08.5"):
+    runs["fsdp2"] = run_distributed(ft.train_worker, world_size=2, timeout=240, echo=False,
+                                    kwargs={"mode": "fsdp2", **SETUP})
+with needs_tasks():  # torch's DDP: no task of yours
+    runs["ddp"] = run_distributed(ft.train_worker, world_size=2, timeout=240, echo=False,
+                                  kwargs={"mode": "ddp", **SETUP})
+with needs_tasks():  # the methods that ran
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode, ranks in runs.items():
         ax.plot(ranks[0]["losses"], label=mode, ls="-" if mode == "ddp" else "--")
-    ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="FSDP2 and DDP, 2 CPU ranks")
+    ax.set(xlabel="step", ylabel="loss (mean over ranks)",
+           title=f"{' and '.join(m.upper() for m in runs)}, 2 ranks on {ranks_device(2)}, "
+                 f"{dataset_label(SETUP['data'])}")
     ax.legend()
     plt.show()
 
 # %%
-with needs_tasks():
+with needs_tasks("08.4", "08.5"):
     print(f"{'parameter':<18}{'full shape':<18}{'rank 0 local':<18}{'rank 1 local':<18}type")
     for a, b in zip(runs["fsdp2"][0]["shards"], runs["fsdp2"][1]["shards"]):
         print(f"{a['name']:<18}{str(a['full']):<18}{str(a['local']):<18}{str(b['local']):<18}"
               f"{a['type']} {a['placements']}")
+with needs_tasks():
     for mode, ranks in runs.items():
         print(mode, "rank 0 holds", {k: f"{v / 1024:.1f} KiB" for k, v in ranks[0]["memory"].items()})
 
@@ -165,7 +199,7 @@ with needs_tasks():
 # plain `ConvNet` has. So it loads into a model without any FSDP around it:
 
 # %%
-with needs_tasks():
+with needs_tasks("08.4", "08.5"):
     from dpt.data import load_tensors  # noqa: E402
 
     state = runs["fsdp2"][0]["state_dict"]
@@ -182,15 +216,26 @@ with needs_tasks():
 # ## 4. Lightning's `fsdp` strategy
 #
 # In Lightning the whole of section 3 is one argument: `pl.Trainer(strategy="fsdp",
-# accelerator="gpu", devices=N)`. As lesson 07 showed, its FSDPStrategy refuses the CPU, so
-# here it explains itself instead (`python exercises/08_sharding/fsdp2_train.py --lightning`).
+# accelerator="gpu", devices=N)`, one GPU per process. As lesson 07 showed, its FSDPStrategy
+# refuses the CPU, so on a machine without a GPU `lightning_fsdp_trainer` explains itself
+# instead, and on a machine with one GPU this cell says it needs two. With GPUs the Trainer is
+# built by the script (`python exercises/08_sharding/fsdp2_train.py --lightning --nproc 2`):
+# inside Jupyter, Lightning refuses to build a strategy that starts its ranks by re-running
+# the script.
 
 # %%
 with needs_tasks():
-    try:
-        ft.lightning_fsdp_trainer(devices=2)
-    except RuntimeError as exc:
-        print(exc)
+    if not torch.cuda.is_available():
+        try:
+            ft.lightning_fsdp_trainer(devices=2)
+        except RuntimeError as exc:
+            print(exc)
+    else:
+        needs_gpus(2)
+        proc = subprocess.run([sys.executable, ft.__file__, "--lightning", "--nproc", "2"],
+                              capture_output=True, text=True, timeout=300, env=script_env())
+        check_run(proc, "fsdp2_train.py --lightning")
+        print(proc.stdout.strip())
 
 # %% [markdown]
 # ## 5. What it costs
@@ -203,7 +248,7 @@ with needs_tasks():
 # parameters, Adam), the state per rank at N = 2 was 108.5 MB for DDP, 84.4 MB for the sharded
 # optimizer (predicted 81.4: it holds 0.55 of Adam's state, since it splits whole tensors) and
 # 54.3 MB for FSDP2 (exactly half). FSDP2 paid for it with half of DDP's steps per second; the
-# sharded optimizer ran as fast as DDP. The README has the table; the committed plot:
+# sharded optimizer ran as fast as DDP. The lesson's NOTES.md has the table; the committed plot:
 
 # %%
 with needs_tasks():

@@ -85,11 +85,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """ZeRO-2 without DDP: average each gradient onto its owner, free it elsewhere."""
+        """ZeRO-2 without DDP: average each gradient onto its owner, free it elsewhere.
+
+        Collective: every rank calls it, and all enter the same reduces. A parameter with a
+        gradient on some ranks only (a branch that only some ranks' data takes) counts as a
+        zero gradient where it has none, as in DDP; one with no gradient anywhere keeps none.
+        """
+        # Which parameters have a gradient on ANY rank. Deciding from this rank's gradients
+        # alone, a rank could skip a reduce that the others enter, and they would wait forever.
+        has_grad = torch.tensor([p.grad is not None for p in self.all_params], dtype=torch.int32,
+                                device=self.all_params[0].device)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=self.process_group)
+        anywhere = {id(p) for p, flag in zip(self.all_params, has_grad.tolist()) if flag}
         for r, params in enumerate(self.params_of):
-            with_grad = [p for p in params if p.grad is not None]
+            with_grad = [p for p in params if id(p) in anywhere]
             if not with_grad:
                 continue
+            for p in with_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
             dist.reduce(flat, dst=self._global_rank(r), group=self.process_group)
             if r == self.rank:

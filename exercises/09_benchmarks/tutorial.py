@@ -22,9 +22,15 @@ sys.path.insert(0, str(REPO_ROOT))
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from benchmarks.analysis import BUSY, fmt_ci
-from benchmarks.costmodel import INTERCONNECTS, RingModel
-from benchmarks.run import latest_results, make_plots, summary_markdown
+from benchmarks.analysis import BUSY, fmt_ci, fmt_ms
+from benchmarks.costmodel import PRESETS
+from benchmarks.run import (
+    cost_model_text,
+    latest_results,
+    make_plots,
+    predicted_speedups,
+    summary_markdown,
+)
 
 results, source = latest_results()
 result = json.loads(results.read_text())
@@ -33,6 +39,9 @@ print(f"showing {source}:", results.relative_to(root) if results.is_relative_to(
 print("machine:", result["machine"]["label"], "|", result["machine"]["cpu"])
 print("measured:", result["stamp"], "| scaling:", result["config"]["scaling"],
       "| rounds:", result["config"].get("rounds", 1))
+# The largest N this run reached: 2 on a 2-core CPU, 8 on an 8-GPU box, 1 on one GPU
+n_max = max(result["config"].get("nprocs") or [r["nprocs"] for r in result["records"]])
+print("largest N:", n_max)
 
 # %% [markdown]
 # ## The table, and whether to believe it
@@ -76,31 +85,38 @@ with tempfile.TemporaryDirectory() as tmp:
         plt.show()
 
 # %% [markdown]
-# ## Why not 2x on 2 devices?
+# ## Why not N x on N devices?
 #
 # A data-parallel step is the compute of one rank's batch, then an all-reduce of the gradients.
 # The ring all-reduce sends each byte 2(N-1)/N times, so its time is about
-# `t = alpha + 2(N-1)/N * bytes / bandwidth`. With compute `c` per step, weak-scaling speedup is
-# `N * c / (c + t)`. Where the measured speedup falls below even that, the rest is lost to
-# things the model leaves out: cores shared between ranks and gloo's own threads, memory
-# bandwidth, and ranks waiting for the slowest one at every synchronization point.
+# `t = alpha + 2(N-1)/N * bytes / bandwidth`. With compute `c` per step at N = 1, the
+# weak-scaling speedup (each rank keeps its batch) is `N * c / (c + t)`; the strong-scaling one
+# (the global batch split N ways, each rank computing about `c / N`) is `c / (c / N + t)`.
+# Where the measured speedup falls below even that, the rest is lost to things the model
+# leaves out: cores shared between ranks and gloo's own threads, memory bandwidth, and ranks
+# waiting for the slowest one at every synchronization point.
+#
+# With a single device there is no all-reduce to time: the model then *projects* onto a named
+# interconnect (`--interconnect`), and says so.
 
 # %%
 cm = result.get("cost_model")
 recs = {(r["method"], r["nprocs"]): r for r in result["records"]
         if r["status"] == "ok" and r.get("sweep") is None}
+n_model = max(2, n_max)  # the N to predict at: this run's, or 2 when it had one device
 if cm:
-    model = RingModel(cm["alpha_s"], cm["bandwidth_Bps"])
-    print(f"fitted: alpha {cm['alpha_s'] * 1e6:.0f} us, bandwidth {cm['bandwidth_Bps'] / 1e9:.2f} GB/s")
-    print(f"gradients {cm['grad_bytes'] / 1e3:.0f} KB; compute per step {cm['compute_s'] * 1e3:.0f} ms")
-    print(f"predicted all-reduce at N=2: {model.allreduce_s(2, cm['grad_bytes']) * 1e3:.2f} ms; "
-          f"predicted speedup {model.speedup(2, cm['compute_s'], cm['grad_bytes']):.2f}")
+    cm = {"scaling": result["config"]["scaling"], **cm}
+    print(cost_model_text(cm))
+    ring = 2 * (n_model - 1) / n_model * cm["grad_bytes"] / cm["bandwidth_Bps"]
+    print(f"predicted all-reduce at N={n_model}: {fmt_ms(cm['alpha_s'] + ring)} ms; "
+          f"predicted speedup {predicted_speedups(cm, [n_model])[0]:.2f}")
 for name in ("independent", "ddp_spawn", "ddp_no_buffer_broadcast", "ddp_bucketed", "ddp_naive"):
-    r = recs.get((name, 2))
-    if r and "speedup" in r:
-        extra = f", communication + waiting {1000 * r['comm_s']:.1f} ms/step" if "comm_s" in r else ""
+    r = recs.get((name, n_max))
+    if n_max > 1 and r and "speedup" in r:
+        extra = (f", communication + waiting {fmt_ms(r['comm_s'])} ms/step" if "comm_s" in r
+                 else "")
         busy = f"  [{BUSY}]" if r.get("reliability") == BUSY else ""
-        print(f"measured {name:<24} speedup at N=2: "
+        print(f"measured {name:<24} speedup at N={n_max}: "
               f"{fmt_ci(r['speedup'], r.get('speedup_lo'), r.get('speedup_hi'))}{extra}{busy}")
 
 # %% [markdown]
@@ -120,16 +136,16 @@ if cm:
     ns = [1, 2, 4, 8, 16, 32, 64]
     plt.figure(figsize=(6, 4))
     plt.plot(ns, ns, "k:", label="ideal")
-    for name, gbps in INTERCONNECTS.items():
-        proj = RingModel(cm["alpha_s"], gbps * 1e9)
-        plt.plot(ns, [proj.speedup(n, cm["compute_s"], cm["grad_bytes"]) for n in ns], "--",
-                 label=f"{name} ({gbps:g} GB/s)")
-    plt.plot(ns, [model.speedup(n, cm["compute_s"], cm["grad_bytes"]) for n in ns], "o-",
-             label="this machine (fitted)")
+    for link in PRESETS.values():
+        plt.plot(ns, predicted_speedups(cm, ns, bandwidth_Bps=link.bandwidth_GBps * 1e9,
+                                        alpha_s=link.latency_us * 1e-6), "--",
+                 label=f"{link.label} ({link.bandwidth_GBps:g} GB/s)")
+    mine = "this machine (fitted)" if cm.get("source") != "projection" else "projected"
+    plt.plot(ns, predicted_speedups(cm, ns), "o-", label=mine)
     plt.xscale("log", base=2)
     plt.yscale("log", base=2)
     plt.xlabel("N")
     plt.ylabel("predicted speedup")
     plt.legend(fontsize=7)
-    plt.title("Cost model, same compute per rank")
+    plt.title(f"Cost model, {cm['scaling']} scaling")
     plt.show()
