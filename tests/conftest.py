@@ -8,12 +8,23 @@ import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from dpt.notebook import pending_task
-from tests.scoring import new_entry, points_for, record, task_state  # noqa: F401 (re-export)
+from tests.scoring import (  # noqa: F401 (re-export)
+    error_line,
+    failure_kind,
+    new_entry,
+    points_for,
+    record,
+    stub_in,
+    task_line,
+    task_progress,
+    task_state,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,16 +77,19 @@ def pytest_configure(config):
     config.stash[_COLLECTED] = {}
     config.stash[_TEST_IDS] = {}
     config.stash[_PENDING] = {}
-    if config.getoption("--grade") and config.option.verbose <= 0 and not _one_lesson(config):
-        # A whole-course grade: one line per failing test and the table, not every traceback.
-        # `-v`, or one lesson (`make grade LESSON=03`), shows the tracebacks.
-        # Nor the libraries' deprecation warnings: `-v` or one lesson shows them too.
-        config.option.tbstyle = "no"
+    if config.getoption("--grade") and config.option.verbose <= 0:
+        # What a student reads (pytest_terminal_summary below): the score table first, one line
+        # per task not started, then the failures of the tasks started: tracebacks for one
+        # lesson (`make grade LESSON=03`), one line per failing test for the whole course.
+        # No short summary repeating every failure, nor the libraries' deprecation warnings.
+        # `-v` shows everything as pytest does, after the table.
         config.option.reportchars = ""
         config.option.disable_warnings = True
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:  # it may have read the options already
-            reporter.reportchars = reporter.reportchars.replace("w", "")
+            reporter.reportchars = ""
+        if not _one_lesson(config):  # the tracebacks are not even kept
+            config.option.tbstyle = "no"
 
 
 def _one_lesson(config) -> bool:
@@ -88,6 +102,16 @@ def _one_lesson(config) -> bool:
             return False
         lessons.add(found[0])
     return len(lessons) == 1
+
+
+class _Failure(NamedTuple):
+    """One failing report: a test's setup, call or teardown, or a file's collection."""
+    nodeid: str
+    task: str | None
+    when: str
+    why: str  # the line to read first (_first_error)
+    kind: tuple[str, str, str]  # scoring.failure_kind
+    report: object
 
 
 _SCORES = pytest.StashKey[dict]()
@@ -237,8 +261,10 @@ def pytest_runtest_logreport(report):
             pending = _config.stash[_PENDING]
             pending[m.group(1)] = pending.get(m.group(1), 0) + 1
     if report.failed:
-        _config.stash[_FAILURES].append(
-            (report.nodeid, _first_error(report) or f"failed in {report.when}"))
+        text = getattr(report, "longreprtext", "") or ""
+        _config.stash[_FAILURES].append(_Failure(
+            report.nodeid, task, report.when, _first_error(report) or f"failed in {report.when}",
+            failure_kind(task or "", report.when, text), report))
     if task is None:
         return
     message = (_skip_reason(report) if report.skipped
@@ -246,6 +272,33 @@ def pytest_runtest_logreport(report):
     record(_config.stash[_SCORES][task], report.when, report.outcome, message)
     _log(_config, nodeid=report.nodeid, task=task, when=report.when, outcome=report.outcome,
          message=message)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report, config):
+    """With --grade, a test whose setup stopped at a task's stub counts as failed, as the tests
+    that stop at the stub in their own body do. (A fixture may run the student's code once for
+    several tests, as lesson 04's ``resumed`` does; pytest would call each an "error", which
+    tells a student nothing.) The score counts it as failed either way (scoring.record)."""
+    if (config.getoption("--grade") and report.when == "setup" and report.failed
+            and stub_in(getattr(report, "longreprtext", "") or "") is not None):
+        return "failed", "F", "FAILED"
+    return None
+
+
+def _is_error(f: _Failure) -> bool:
+    """What pytest counts as an "error": a failure in collection, in teardown, or in setup
+    (unless the setup stopped at a task's stub: see pytest_report_teststatus)."""
+    return f.when in ("collect", "teardown") or (
+        f.when == "setup" and f.kind[0] not in ("stub", "needs"))
+
+
+def pytest_collectreport(report):
+    """A test file that cannot be imported is one of pytest's "errors": the grade names it."""
+    if report.failed and _config is not None:
+        _config.stash[_FAILURES].append(_Failure(
+            report.nodeid, None, "collect", _first_error(report) or "could not be collected",
+            ("error", "", ""), report))
 
 
 _config = None
@@ -257,21 +310,73 @@ def pytest_sessionstart(session):
     _config = session.config
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """With --grade, what a student reads first: the score table, then one line per task not
+    started, then the failures of the tasks started. This wrapper's first half runs before the
+    terminal reporter's own sections (FAILURES, ERRORS, warnings), which it then leaves out
+    unless -v asks for them."""
     tr = terminalreporter
-    if not config.getoption("--grade"):
-        pending = config.stash[_PENDING]
-        if pending:
-            tr.write_line(f"skipped {sum(pending.values())} unmarked test(s) that need a task not "
-                          "done yet: " + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items())))
-        tr.write_line(_tree_note())
-        return
+    if config.getoption("--grade"):
+        _grade_report(tr, config)
+    try:
+        return (yield)
+    finally:
+        if not config.getoption("--grade"):
+            pending = config.stash[_PENDING]
+            if pending:
+                tr.write_line(f"skipped {sum(pending.values())} unmarked test(s) that need a "
+                              "task not done yet: "
+                              + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items())))
+            tr.write_line(_tree_note())
+
+
+def _grade_report(tr, config) -> None:
     scores = config.stash[_SCORES]
     failures = config.stash[_FAILURES]
-    if failures and config.option.tbstyle == "no":
-        tr.section("failing tests (one line each; -v or one lesson for tracebacks)")
-        for nodeid, why in failures:
-            tr.write_line(f"{nodeid}: {why}")
+    kinds = defaultdict(list)
+    for f in failures:
+        if f.task is not None:
+            kinds[f.task].append(f.kind)
+    progress = {task: task_progress(task, k) for task, k in kinds.items()}
+    _write_json(config, scores)
+    _write_table(tr, scores, progress)
+    todo = [(t, *progress[t]) for t in sorted(progress) if progress[t][0] != "started"]
+    if todo:
+        tr.section("tasks to do (one line each, with its hint)", sep="-")
+        for task, state, detail in todo:
+            tr.write_line(task_line(task, state, detail))
+    errors = [f for f in failures if _is_error(f)]
+    if errors:
+        tr.section(f"{len(errors)} error(s): failures outside a test's body", sep="-")
+        for f in errors:
+            tr.write_line(error_line(f.nodeid, f.when, f.why))
+    started = [f for f in failures
+               if f.task is None or progress.get(f.task, ("started", ""))[0] == "started"]
+    if config.option.verbose > 0:
+        return  # pytest's own sections follow, every traceback as usual
+    if config.option.tbstyle == "no":  # the whole course: one line per failing test
+        lines = [f for f in started if not _is_error(f)]  # (errors have their line above)
+        if lines:
+            tr.section("failing tests of the tasks you started (one line each; -v for "
+                       "tracebacks)", sep="-")
+            for f in lines:
+                tr.write_line(f"{f.nodeid}: {f.why}")
+        return
+    if started:
+        tr.section("failing tests of the tasks you started")
+        for f in started:
+            where = "" if f.when == "call" else f" ({f.when})"
+            tr.write_sep("_", f.nodeid + where, red=True, bold=True)
+            f.report.toterminal(tr._tw)
+            for name, content in getattr(f.report, "sections", []):
+                if name.startswith("Captured"):
+                    tr.write_sep("-", name)
+                    tr.write_line(content.rstrip("\n"))
+    config.option.tbstyle = "no"  # printed above: pytest's FAILURES would repeat them all
+
+
+def _write_table(tr, scores, progress) -> None:
     tr.section(f"grade: {os.environ['DPT_TARGET']}")
     by_lesson = defaultdict(list)
     for task in sorted(scores):
@@ -292,7 +397,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             elif state == "pass":
                 note = "pass" + extra
             else:
-                note = f"FAIL{extra}  {s['first_error']}"
+                how, detail = progress.get(t, ("started", ""))
+                note = f"FAIL{extra}  " + (
+                    "not started" if how == "not started"
+                    else f"waits for {detail.split(':')[0]}" if how == "waiting"
+                    else s["first_error"])
             if state != "skipped":
                 graded += 1
                 done += state == "pass"
@@ -312,8 +421,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"score incomplete: {skipped_tests} test(s) skipped, left out of the score"
                       + (f" ({len(skipped_tasks)} task(s) not graded at all)"
                          if skipped_tasks else "") + "; why: " + "; ".join(reasons))
+
+
+def _write_json(config, scores) -> None:
     path = config.getoption("--grade-json")
     if path:
+        skipped_tests = sum(v["skipped"] for v in scores.values())
         Path(path).write_text(json.dumps({
             "target": os.environ["DPT_TARGET"],
             "tasks": {t: dict(v, state=task_state(v), points=points_for(t))

@@ -5,6 +5,8 @@ results.json). Plain Python, no torch, so the grader can import it cheaply.
 
 from __future__ import annotations
 
+import re
+
 # Points per task. A task not listed here is worth DEFAULT_POINTS. Change a task's weight here
 # and every report follows: `make grade`'s table, the gradebook CSV and Gradescope's file.
 DEFAULT_POINTS = 1.0
@@ -58,3 +60,70 @@ def task_state(entry: dict) -> str:
     if entry["passed"] == 0:
         return "skipped"
     return "pass"
+
+
+# --- what a student reads after the table: one line per unfinished task ---------------------
+
+# A task's stub, as the failure's text shows it: "NotImplementedError: Task 05.6: <hint>".
+# Two ranks failing at once can interleave their last lines ("NotImplementedError: : Task ..."),
+# hence the repeated ": ". The stub's source line, `raise NotImplementedError("Task ...")`,
+# does not match: only the raised message counts.
+STUB = re.compile(r"NotImplementedError(?:: )+Task (\d\d\.\d+[a-z]?): ?([^\n]*)")
+# A notebook cell run by a test says so instead of raising (dpt.notebook.needs_tasks).
+CELL_SKIPPED = re.compile(r"skipped: this cell needs Task (\d\d\.\d+[a-z]?)\b")
+
+
+def stub_in(text: str) -> tuple[str, str] | None:
+    """``(task, hint)`` of the first task stub a failure's text shows as raised, else None.
+    (The hint is empty when a notebook cell skipped for the task: it does not repeat it.)"""
+    m = STUB.search(text or "")
+    if m is not None:
+        return m.group(1), m.group(2).strip()
+    m = CELL_SKIPPED.search(text or "")
+    return (m.group(1), "") if m is not None else None
+
+
+def failure_kind(task: str, when: str, text: str) -> tuple[str, str, str]:
+    """What one failing report of a test of ``task`` says about the student's work.
+
+    ``("stub", task, hint)``: it stopped at the task's own stub (not started);
+    ``("needs", other, hint)``: it stopped at another task's stub, one this task builds on;
+    ``("error", "", "")``: it failed in the test's setup or teardown, not at a stub;
+    ``("failed", "", "")``: any other failure: the student's code ran and was wrong.
+    """
+    stub = stub_in(text)
+    if stub is not None:
+        return ("stub" if stub[0] == task else "needs", *stub)
+    return ("error" if when in ("setup", "teardown") else "failed"), "", ""
+
+
+def task_progress(task: str, kinds: list[tuple[str, str, str]]) -> tuple[str, str]:
+    """One failing task's state from its failures' kinds (``failure_kind``):
+
+    ``("not started", hint)`` when every failure stopped at a stub, one of them its own;
+    ``("waiting", "Task X: hint")`` when every failure stopped at other tasks' stubs;
+    ``("started", "")`` when any failure is the student's code running and failing.
+    """
+    if not kinds or any(kind not in ("stub", "needs") for kind, _, _ in kinds):
+        return "started", ""
+    own = [hint for kind, _, hint in kinds if kind == "stub"]
+    if own:
+        return "not started", max(own, key=bool) or "its stub is still there"
+    others = [(t, hint) for kind, t, hint in kinds if kind == "needs"]
+    task, hint = max(others, key=lambda other: bool(other[1]))
+    return "waiting", f"Task {task}" + (f": {hint}" if hint else "")
+
+
+def task_line(task: str, state: str, detail: str) -> str:
+    """The line a student reads for an unfinished task (no traceback)."""
+    if state == "not started":
+        return f"{task:<6}not started: {detail}"
+    if state == "waiting":
+        return f"{task:<6}waits for another task: its tests stop at {detail}"
+    return f"{task:<6}started, failing (see below)"
+
+
+def error_line(nodeid: str, when: str, message: str) -> str:
+    """One of pytest's "errors" (a failure outside the test's body), said in one line."""
+    where = "collecting" if when == "collect" else f"in {when} of"
+    return f"error {where} {nodeid}: {message or 'no message'}"
