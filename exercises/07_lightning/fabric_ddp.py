@@ -138,8 +138,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         check_batch_size(args.batch_size)
-        if args.devices < 1:
-            raise ValueError(f"--devices must be at least 1, got {args.devices}")
         accelerator = fabric_accelerator(args.accelerator, args.devices,
                                          torch.cuda.device_count(), mps_available())
         prepare("fashion-mnist", quiet=True)
