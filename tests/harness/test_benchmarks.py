@@ -374,7 +374,7 @@ def test_machine_load_separates_other_processes_from_ours():
 
 
 def test_the_reference_results_carry_intervals_a_verdict_and_ddp_against_the_control():
-    """The committed reference is a run with rounds: the README and notebook 09 show it."""
+    """The committed reference is a run with rounds: the README and notebook 10 show it."""
     from benchmarks.run import REFERENCE, summary_markdown
 
     result = json.loads((REFERENCE / "results.json").read_text())
