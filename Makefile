@@ -87,6 +87,7 @@ carry:
 
 exercises: setup
 	$(PY) tools/make_exercises.py
+	$(PY) site/build.py --write-lesson-table
 
 figures: setup
 	$(PY) tools/draw_figures.py
@@ -118,7 +119,7 @@ N ?= 10
 stress:
 	tools/stress_suite.sh $(N)
 
-# Each planted bug in tools/plant_bugs.py must fail its tests, with the expected message.
+# Each lesson's planted bugs (tests/lNN_*/planted_bugs.py) must fail their tests, with the expected message.
 ONLY ?=
 plant-bugs: setup data-for-tests
 	$(PY) tools/plant_bugs.py $(if $(ONLY),--only $(ONLY)) $(if $(LESSON),--lesson $(LESSON))
