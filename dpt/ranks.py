@@ -105,6 +105,19 @@ def rank_cuda_device(rank: int, backend: str | None) -> torch.device | None:
     return None
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing semaphore; a rank leaves with ``os._exit``, so
+    the resource tracker would warn at shutdown about a "leaked semaphore". A rank's bars
+    only need a thread lock."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
             conn, backend: str | None, threads: int, log_path: str, stack_path: str,
             hang_after: float, env: dict[str, str]) -> None:
@@ -116,6 +129,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     stack_file = open(stack_path, "w")  # noqa: SIM115
     faulthandler.dump_traceback_later(hang_after, exit=True, file=stack_file)
     os.environ.update(env)
+    _thread_lock_for_progress_bars()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))

@@ -22,6 +22,7 @@ from tests.scoring import (  # noqa: F401 (re-export)
     record,
     stub_in,
     task_line,
+    task_order,
     task_progress,
     task_state,
 )
@@ -327,7 +328,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             if pending:
                 tr.write_line(f"skipped {sum(pending.values())} unmarked test(s) that need a "
                               "task not done yet: "
-                              + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items())))
+                              + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items(), key=lambda kv: task_order(kv[0]))))
             tr.write_line(_tree_note())
 
 
@@ -341,7 +342,7 @@ def _grade_report(tr, config) -> None:
     progress = {task: task_progress(task, k) for task, k in kinds.items()}
     _write_json(config, scores)
     _write_table(tr, scores, progress)
-    todo = [(t, *progress[t]) for t in sorted(progress) if progress[t][0] != "started"]
+    todo = [(t, *progress[t]) for t in sorted(progress, key=task_order) if progress[t][0] != "started"]
     if todo:
         tr.section("tasks to do (one line each, with its hint)", sep="-")
         for task, state, detail in todo:
@@ -379,7 +380,7 @@ def _grade_report(tr, config) -> None:
 def _write_table(tr, scores, progress) -> None:
     tr.section(f"grade: {os.environ['DPT_TARGET']}")
     by_lesson = defaultdict(list)
-    for task in sorted(scores):
+    for task in sorted(scores, key=task_order):
         by_lesson[task.split(".")[0]].append(task)
     tr.write_line(f"{'lesson':<8}{'task':<10}{'tests':>9}  result")
     grand, grand_points, skipped_tasks, skipped_tests = [0, 0], [0.0, 0.0], [], 0

@@ -15,6 +15,12 @@ POINTS: dict[str, float] = {
 }
 
 
+def task_order(task: str) -> tuple:
+    """Sort key of a task id: 09.2 before 09.10 (a string sort puts 09.10 first)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)", task)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else (10**9, 0, task)
+
+
 def points_for(task: str) -> float:
     return float(POINTS.get(task, DEFAULT_POINTS))
 

@@ -199,7 +199,17 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
                  [py, f"{S}/08_sharding/fsdp2_train.py", "--nproc", str(n), "--steps", "10",
                   "--data", "synthetic"],
                  **common, estimate=30, env=dict(env), expect=(rf"fsdp2 on {n} rank",)),
+            Item(f"l09-fsdp-by-hand{name}", f"lesson 09: FSDP by hand, bf16 compute, {n} ranks",
+                 [py, f"{S}/09_fsdp/fsdp_by_hand.py", "--nproc", str(n), "--steps", "10",
+                  "--dtype", "bf16"],
+                 **common, estimate=20, env=dict(env), expect=(rf"FSDP by hand on {n} rank",)),
         ]
+        if n in (1, 2, 4):  # lesson 09's FSDP2 splits one global batch of 8 sequences
+            batch.append(Item(f"l09-fsdp2-bf16{name}", f"lesson 09: FSDP2, bf16 policy, {n} ranks",
+                              [py, f"{S}/09_fsdp/fsdp2_practice.py", "--nproc", str(n),
+                               "--steps", "10", "--bf16"],
+                              **common, estimate=20, env=dict(env),
+                              expect=(rf"FSDP2 on {n} rank",)))
         out += [it for it in batch if n > 1 or not it.name.startswith("l05-ring")]  # 2+ ranks
     for strategy in ("ddp", "ddp_spawn", "fsdp"):
         for n in [1] if shared else ns:  # one GPU: Lightning gets it alone

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python tools/grade_class.py` as well as `-m tools.grade_class`
     sys.path.insert(0, str(REPO))
 
-from tests.scoring import new_entry, points_for, record, task_state  # noqa: E402
+from tests.scoring import new_entry, points_for, record, task_order, task_state  # noqa: E402
 from tools import carry_answers  # noqa: E402
 
 LESSON_RE = re.compile(r"^(\d\d)_\w+$")
@@ -754,7 +754,7 @@ def _grade_selection(sandbox: Sandbox, sub: Submission, lesson: str, uid: int | 
     process: the test that was running is blamed, the finished ones kept."""
     course, args = sandbox.course, sandbox.args
     expected = {i: t for i, t in course.expected[lesson].items() if only is None or t in only}
-    tasks = {t: new_entry() for t in sorted(set(expected.values()))}
+    tasks = {t: new_entry() for t in sorted(set(expected.values()), key=task_order)}
     reasons: dict[str, str] = {}
     notes: list[str] = []
     done = [i for i in course.expected[lesson] if i not in expected]  # deselected

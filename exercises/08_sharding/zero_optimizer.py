@@ -115,6 +115,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 for p in with_grad:
                     p.grad = None
+            del flat  # freed before the next owner's buffer is built: one at a time
 
     def step(self, closure=None):
         """Step the parameters this rank owns, then share every owner's updated ones."""

@@ -101,7 +101,8 @@ with needs_tasks("08.1"):
 
 # %% [markdown]
 # Activations come on top, and they are not sharded by any of these stages (that is what
-# activation checkpointing and tensor/sequence parallelism are for).
+# activation checkpointing and tensor/sequence parallelism are for; lesson 09 measures them
+# and checkpoints them).
 #
 # Check the count against reality on one process: `measure_bytes` sums
 # `numel * element_size` over the parameters, gradients and the optimizer's state tensors.

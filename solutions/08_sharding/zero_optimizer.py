@@ -119,6 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 for p in with_grad:
                     p.grad = None
+            del flat  # freed before the next owner's buffer is built: one at a time
 
     def step(self, closure=None):
         """Step the parameters this rank owns, then share every owner's updated ones."""
@@ -142,6 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     for p in params:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
+                del flat  # one owner's buffer at a time
         # END SOLUTION
         return loss
 

@@ -89,3 +89,9 @@ def buffer_after_forward(rank, world_size, keep_local):
     ddp(torch.randn(8, 4))
     return {"mean": net[1].running_mean.mean().item(),
             "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def progress_bar_rank(rank, world_size):
+    from tqdm import tqdm
+
+    return sum(tqdm(range(3), disable=False))

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from tests.lessons import REPO
-from tests.scoring import error_line, failure_kind, stub_in, task_line, task_progress
+from tests.scoring import error_line, failure_kind, stub_in, task_line, task_order, task_progress
 
 # ------------------------------------------------------------------ classifying one failure
 
@@ -223,3 +223,9 @@ def test_a_half_done_lesson_05_reads_in_under_60_lines(tmp_path):
         todo = [line for line in lines[table:] if line.startswith(task + " ")]
         assert len(todo) == 1, f"task {task}: {todo}\n{text}"
     assert "Traceback" not in text and "NotImplementedError" not in text, text
+
+
+def test_tasks_sort_by_number_not_as_strings():
+    """Lesson 09 has tasks 09.1-09.23: a string sort put 09.10 before 09.2 in the table."""
+    assert sorted(["09.10", "09.2", "09.1", "08.3", "09.2a"], key=task_order) == \
+        ["08.3", "09.1", "09.2", "09.2a", "09.10"]

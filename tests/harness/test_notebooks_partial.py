@@ -108,10 +108,10 @@ def _keep(text: str, solved: set[str]) -> str:
 
 
 def build_tree(root: Path, lesson: str, solved: set[str]) -> Path:
-    """A lesson tree under ``root`` holding ``lesson`` with only the ``solved`` tasks solved."""
+    """A lesson tree under ``root`` holding ``lesson`` with only the ``solved`` tasks solved;
+    the other lessons solved (a lesson may reuse an earlier one's code: 09 uses 08's)."""
     tree = root / "tree"
-    shutil.copytree(REPO / "solutions" / lesson, tree / lesson,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "solutions", tree, ignore=shutil.ignore_patterns("__pycache__"))
     for py in (tree / lesson).glob("*.py"):
         if py.name != gen.NOTEBOOK_SOURCE:
             py.write_text(_keep(py.read_text(), solved))

@@ -80,3 +80,22 @@ def test_after_a_restart_the_ranks_fork_from_a_new_server():
     assert after[0] == after[1] and after[0] != before[0], (
         "restart_fork_server() left the old fork server in place: every round of a benchmark "
         "would share one memory layout")
+
+
+@pytest.mark.timeout(120)
+def test_a_progress_bar_in_a_rank_leaves_no_leaked_semaphore_warning():
+    """tqdm's default lock is a multiprocessing semaphore; ranks leave with os._exit, so the
+    resource tracker used to print "leaked semaphore objects" after every lesson script that
+    showed a progress bar in its ranks."""
+    import subprocess
+    import sys
+
+    code = ("from dpt.ranks import run_distributed\n"
+            "from tests.harness import rank_fns\n"
+            "if __name__ == '__main__':\n"
+            "    print(run_distributed(rank_fns.progress_bar_rank, world_size=2, echo=False))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=100, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.returncode == 0, out.stderr
+    assert "[3, 3]" in out.stdout
+    assert "leaked semaphore" not in out.stderr, out.stderr

@@ -1,0 +1,81 @@
+"""Lesson 09's methods, both with mixed precision: the hand-written FSDP (bf16 compute and
+gathers over fp32 master shards, gradients reduced in fp32) and FSDP2 with a bf16
+``MixedPrecisionPolicy``, meta-device initialisation and explicit prefetch.
+
+Both train lesson 09's ``TinyTransformer`` (4 blocks of width 128, 64 tokens; about 0.9 M
+parameters) on synthetic tokens with AdamW, whatever ``--model`` says: its blocks are the
+units FSDP gathers one at a time, and the convnet's batch norm has no bf16 kernel on the CPU.
+So compare these two with each other, and each with itself from 1 to N ranks, not with the
+convnet methods. Two methods only: ``--quick`` on 8 GPUs is planned to fit 5 minutes, and
+every method costs two launches there. Peak memory per method: ``bench_l09_memory.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.registry import BenchContext, method
+
+CONFIG = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "seq_len": 64}
+LR = 1e-3
+
+
+def _model(ctx: BenchContext) -> torch.nn.Module:
+    from dpt.models import TinyTransformer
+
+    torch.manual_seed(ctx.seed)  # the same initial weights on every rank
+    return TinyTransformer(**CONFIG).to(ctx.device)
+
+
+def _tokens(ctx: BenchContext):
+    from dpt.models import token_batch
+
+    return token_batch(ctx.batch_size, CONFIG["seq_len"], CONFIG["vocab"],
+                       seed=ctx.seed * 100003 + ctx.rank, device=ctx.device)
+
+
+def _needs_group(name: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{name} needs a process group (the harness makes one)")
+
+
+def _step(model, opt, batch, after_backward=None):
+    x, y = batch
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def _hand_fsdp(ctx: BenchContext, compute_dtype: torch.dtype | None):
+    from fsdp_by_hand import FSDP
+
+    _needs_group("the hand-written FSDP")
+    fsdp = FSDP(_model(ctx), compute_dtype=compute_dtype)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
+    return _step(fsdp, opt, _tokens(ctx), after_backward=fsdp.finish_grad_sync)
+
+
+@method("fsdp_by_hand_bf16", "lesson 09's FSDP by hand, bf16 compute and gathers, fp32 master "
+        "shards and gradient reduction")
+def fsdp_by_hand_bf16(ctx: BenchContext):
+    return _hand_fsdp(ctx, torch.bfloat16)
+
+
+@method("fsdp2_bf16", "FSDP2 fully_shard per block, MixedPrecisionPolicy(bf16 params, fp32 "
+        "reduce), explicit prefetch, meta-device init")
+def fsdp2_bf16(ctx: BenchContext):
+    from fsdp2_practice import build_sharded
+
+    _needs_group("fsdp2_bf16")
+    model = build_sharded(seed=ctx.seed, bf16=True, config=CONFIG)
+    return _step(model, torch.optim.AdamW(model.parameters(), lr=LR), _tokens(ctx))

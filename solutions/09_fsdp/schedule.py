@@ -1,0 +1,304 @@
+"""Lesson 09: one FSDP step, as it happened: gathers, compute, frees and reduce-scatters.
+
+:class:`fsdp_by_hand.FSDP` logs what it does when ``fsdp.record = True``: each all-gather and
+reduce-scatter from the moment it was issued to the moment it completed, each unit's forward
+and backward compute, the time the rank sat blocked in ``wait()``, and each ``free``. This
+module keeps that log (:class:`Timeline`), runs a few recorded steps on N ranks
+(:func:`record_step`) and draws the last one (:func:`draw`): per rank a compute lane, a
+gather lane and a reduce-scatter lane on one time axis.
+
+What to look for: with prefetch, block i+1's gather starts before block i's compute (forward)
+and block i-1's before block i's backward, so the compute lane has (almost) no grey waits;
+without it, every unit waits for its own gather. Each reduce-scatter starts right after its
+unit's backward, and overlaps the next unit's backward.
+
+    .venv/bin/python solutions/09_fsdp/schedule.py                  # 2 ranks: benchmarks/runs/lessons/l09_schedule.png
+    .venv/bin/python solutions/09_fsdp/schedule.py --nproc 4 --out schedule4.svg
+
+Times are the host's clock (``time.perf_counter``, shared by the processes of one machine). On
+a GPU the host only issues the work, so there the lanes show when work was queued, not run.
+"""
+
+from __future__ import annotations
+
+__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
+    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
+
+RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "runs" / "lessons"
+KINDS = ("gather", "wait", "compute", "free", "reduce_scatter")
+
+
+class Timeline:
+    """The events of one rank: dicts with ``unit``, ``kind`` (one of :data:`KINDS`), ``phase``
+    (forward or backward), ``start`` and ``end`` in ``time.perf_counter()`` seconds.
+
+    Nothing is kept while ``on`` is False. A collective's ``end`` is filled in when it
+    completes (a callback on its handle's future), else when it is first seen completed, else
+    when it is waited on (then the event also has ``end_at_wait``: it ended by then at the
+    latest; gloo's reduce-scatter handles say nothing before their wait)."""
+
+    def __init__(self):
+        self.on = False
+        self.events: list[dict] = []
+        self.phase = "forward"
+        self._open: dict[tuple[str, str], float] = {}
+        self._polled: list[tuple[dict, object]] = []  # collectives whose handle has no future
+
+    def _poll(self) -> None:
+        """Stamp the collectives found completed since the last event."""
+        if self._polled:
+            now = time.perf_counter()
+            for event, work in self._polled:
+                if event["end"] is None and work.is_completed():
+                    event["end"] = now
+            self._polled = [(e, w) for e, w in self._polled if e["end"] is None]
+
+    def span(self, unit: str, kind: str, start: float, end: float,
+             phase: str | None = None) -> None:
+        if not self.on:
+            return
+        self._poll()
+        if kind == "wait":  # whatever this waited for is done now, if not seen done before
+            for event in reversed(self.events):
+                if event["unit"] == unit and event["end"] is None:
+                    event["end"], event["end_at_wait"] = end, True
+                    break
+        self.events.append({"unit": unit, "kind": kind, "phase": phase or self.phase,
+                            "start": start, "end": end})
+
+    def mark(self, unit: str, kind: str) -> None:
+        now = time.perf_counter()
+        self.span(unit, kind, now, now)
+
+    def issued(self, unit: str, kind: str, start: float, work) -> None:
+        """A collective issued at ``start``; ``work`` is its handle (None if it ran at once)."""
+        if not self.on:
+            return
+        self._poll()
+        event = {"unit": unit, "kind": kind, "phase": self.phase, "start": start, "end": None}
+        self.events.append(event)
+        if work is None:
+            event["end"] = time.perf_counter()
+            return
+
+        def done(_, event=event):
+            event["end"] = time.perf_counter()
+
+        try:
+            work.get_future().then(done)
+        except RuntimeError:  # a backend whose handles have no future: look at each event
+            self._polled.append((event, work))
+
+    def open(self, unit: str, phase: str) -> None:
+        self._poll()
+        self._open[(unit, phase)] = time.perf_counter()
+
+    def close(self, unit: str, phase: str) -> None:
+        start = self._open.pop((unit, phase), None)
+        if start is not None:
+            self.span(unit, "compute", start, time.perf_counter(), phase)
+
+
+# The decorators fsdp_by_hand.py puts on the methods you write, so that FSDP can log them
+# without your code doing anything.
+
+def collective(kind: str):
+    """A Unit method that issues a collective and returns its handle: log it as ``kind``."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(unit, *args, **kwargs):
+            start = time.perf_counter()
+            work = fn(unit, *args, **kwargs)
+            unit.timeline.issued(unit.name, kind, start, work)
+            return work
+        return method
+    return wrap
+
+
+def instant(kind: str):
+    """A Unit method that happens at once (``free``): log the moment it returned."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(unit, *args, **kwargs):
+            result = fn(unit, *args, **kwargs)
+            unit.timeline.mark(unit.name, kind)
+            return result
+        return method
+    return wrap
+
+
+def computes(phase: str, edge: str):
+    """An FSDP hook method ``(self, unit, ...)``: the unit's ``phase`` compute starts when it
+    returns (``edge="start"``), or ended when it was called (``edge="end"``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(fsdp, unit, *args, **kwargs):
+            if edge == "end":
+                fsdp.timeline.close(unit.name, phase)
+            else:
+                fsdp.timeline.phase = phase
+            result = fn(fsdp, unit, *args, **kwargs)
+            if edge == "start":
+                fsdp.timeline.open(unit.name, phase)
+            return result
+        return method
+    return wrap
+
+
+def record_step(world_size: int = 2, prefetch: bool = True, steps: int = 3,
+                batch_size: int = 8, model_kwargs: dict | None = None, compute_dtype=None,
+                timeout: float = 300) -> list[list[dict]]:
+    """Train ``steps`` steps of the hand-written FSDP on ``world_size`` ranks; return the last
+    step's events, one list per rank (the first steps warm up)."""
+    from fsdp_by_hand import train_worker
+
+    from dpt.dist import threads_per_rank
+    from dpt.ranks import run_distributed
+
+    model_kwargs = {"dim": 128, "heads": 4, "layers": 4, **(model_kwargs or {})}
+    results = run_distributed(
+        train_worker, world_size=world_size, timeout=timeout,
+        threads=threads_per_rank(world_size), echo=False,
+        kwargs={"steps": steps, "batch_size": batch_size, "prefetch": prefetch,
+                "model_kwargs": model_kwargs, "compute_dtype": compute_dtype,
+                "record_last": True})
+    return [r["events"] for r in results]
+
+
+def summary(events: list[dict]) -> dict[str, float]:
+    """Seconds of one rank's step: ``step`` (first event to last), ``compute``, ``waiting``
+    (blocked on a collective: communication that compute did not hide) and ``gathering``
+    (all-gathers in flight, overlapping or not)."""
+    done = [e for e in events if e["end"] is not None]
+    if not done:
+        return {"step": 0.0, "compute": 0.0, "waiting": 0.0, "gathering": 0.0}
+
+    def total(kind):
+        return sum(e["end"] - e["start"] for e in done if e["kind"] == kind)
+
+    return {"step": max(e["end"] for e in done) - min(e["start"] for e in done),
+            "compute": total("compute"), "waiting": total("wait"), "gathering": total("gather")}
+
+
+COLORS = {("compute", "forward"): "tab:blue", ("compute", "backward"): "tab:orange",
+          "wait": "lightgrey", "gather": "tab:green", "reduce_scatter": "tab:purple",
+          "free": "tab:red"}
+
+
+def _short(unit: str) -> str:
+    return unit.replace("blocks.", "b")
+
+
+def _number(unit: str) -> int:
+    """The block number at the end of a unit's name (blocks.3: 3); -1 for the root."""
+    tail = unit.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def draw(events_by_rank, ax=None, title: str | None = None):
+    """Draw one step: per rank a compute lane (forward blue, backward orange, waits grey,
+    frees as red ticks), a gather lane and a reduce-scatter lane, on one time axis in ms. A
+    collective whose end was only known at its wait is hatched: it ended by then, maybe before.
+
+    ``events_by_rank``: one rank's events, or a list of them (:func:`record_step`). Returns the
+    matplotlib Axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if events_by_rank and isinstance(events_by_rank[0], dict):
+        events_by_rank = [events_by_rank]
+    starts = [e["start"] for events in events_by_rank for e in events]
+    if not starts:
+        raise ValueError("no events to draw: record a step with fsdp.record = True")
+    t0 = min(starts)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 1.2 + 1.3 * len(events_by_rank)))
+    ticks, labels = [], []
+    for rank, events in enumerate(events_by_rank):
+        base = (len(events_by_rank) - 1 - rank) * 4
+        lanes = {"compute": base + 2, "wait": base + 2, "free": base + 2, "gather": base + 1,
+                 "reduce_scatter": base}
+        for name, y in (("compute", base + 2), ("gather", base + 1), ("reduce-scatter", base)):
+            ticks.append(y)
+            labels.append(f"rank {rank} {name}")
+        for e in events:
+            start = (e["start"] - t0) * 1e3
+            end = ((e["end"] if e["end"] is not None else e["start"]) - t0) * 1e3
+            y = lanes[e["kind"]]
+            if e["kind"] == "free":
+                ax.plot([start, start], [y - 0.45, y + 0.45], color=COLORS["free"], lw=1)
+                continue
+            color = COLORS.get((e["kind"], e["phase"]), COLORS.get(e["kind"]))
+            # two collectives in flight at once (the prefetch) sit on alternate halves of a lane
+            half = 0.0 if e["kind"] in ("compute", "wait") else (
+                0.2 if _number(e["unit"]) % 2 else -0.2)
+            height = 0.8 if half == 0.0 else 0.4
+            ax.barh(y + half, max(end - start, 1e-3), left=start, height=height, color=color,
+                    edgecolor="black", linewidth=0.3, hatch="///" if e.get("end_at_wait") else None,
+                    alpha=0.5 if e.get("end_at_wait") else 1.0)
+            if e["kind"] != "wait":
+                ax.text((start + end) / 2, y + half, _short(e["unit"]), ha="center",
+                        va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(ticks, labels)
+    ax.set_xlabel("ms since the step began")
+    ax.set_title(title or "one FSDP step")
+    handles = [Patch(color=COLORS[("compute", "forward")], label="forward"),
+               Patch(color=COLORS[("compute", "backward")], label="backward"),
+               Patch(color=COLORS["wait"], label="waiting"),
+               Patch(color=COLORS["gather"], label="all-gather"),
+               Patch(color=COLORS["reduce_scatter"], label="reduce-scatter"),
+               Patch(color=COLORS["free"], label="free"),
+               Patch(facecolor="white", edgecolor="black", hatch="///",
+                     label="ended by then (seen at its wait)")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=7,
+              fontsize=8, frameon=False)
+    return ax
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=128, help="model width (bigger: longer gathers)")
+    ap.add_argument("--out", default=str(RUNS / "l09_schedule.png"),
+                    help="image to write (.png or .svg; default: benchmarks/runs/lessons/, git-ignored)")
+    ap.add_argument("--timeout", type=float, default=300)
+    args = ap.parse_args(argv)
+    try:
+        if args.nproc < 1 or args.dim < 4 or args.dim % 4:
+            raise ValueError("--nproc must be at least 1 and --dim a multiple of 4")
+        runs = {prefetch: record_step(args.nproc, prefetch=prefetch,
+                                      model_kwargs={"dim": args.dim}, timeout=args.timeout)
+                for prefetch in (True, False)}
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 2.6 * (1 + args.nproc)))
+    for ax, prefetch in zip(axes, (True, False)):
+        draw(runs[prefetch], ax=ax, title=f"prefetch {'on' if prefetch else 'off'}")
+        for rank, events in enumerate(runs[prefetch]):
+            s = summary(events)
+            print(f"prefetch {'on ' if prefetch else 'off'} rank {rank}: step "
+                  f"{s['step'] * 1e3:.1f} ms, compute {s['compute'] * 1e3:.1f} ms, blocked "
+                  f"waiting {s['waiting'] * 1e3:.1f} ms")
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Rank functions for lesson 09's FSDP2 and DCP tests (run by dpt.ranks.run_distributed).
+
+Each check runs one task's code between reference parts written here with torch's own calls
+(``fully_shard``, ``to_empty``, ``full_tensor``, ``get_optimizer_state_dict``), so a task is
+graded on its own. A part that raises is returned as ``{"error": ...}`` (the same on every
+rank, since the ranks run the same code), so the other parts of the same launch still run and
+each test fails with its own task's message.
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from dpt.dist import device_mesh, rank_device
+from dpt.memory import MemoryTracker
+from dpt.models import TinyTransformer
+from tests.lessons import load
+
+LESSON = "09_fsdp"
+# dcp's CheckpointException is a BaseException: caught by name where a part may raise it
+
+
+def practice():
+    return load(LESSON, "fsdp2_practice")
+
+
+def checkpointing():
+    return load(LESSON, "dcp_checkpoint")
+
+
+def _part(fn, *args, **kwargs) -> dict:
+    """``fn``'s result, or ``{"error": first line, "trace": its traceback}``."""
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the test fails on it
+        return {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+                "trace": traceback.format_exc()[-3000:]}
+
+
+# --- the reference pieces ------------------------------------------------------------------
+
+def meta_model(fp) -> TinyTransformer:
+    with torch.device("meta"):
+        return TinyTransformer(**fp.CONFIG)
+
+
+def ref_shard(model, raf: bool = True, bf16: bool = False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
+    mesh = device_mesh()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+
+
+@torch.no_grad()
+def ref_materialize(fp, model, seed: int = 0):
+    model.to_empty(device=rank_device())
+    for name, p in model.named_parameters():
+        start, _ = fp.shard_rows(p)
+        fp.fill_rows(p.to_local() if isinstance(p, DTensor) else p, name, p.shape, start, seed)
+    return model
+
+
+def ref_build(fp, seed: int = 0, raf: bool = True, bf16: bool = False):
+    return ref_materialize(fp, ref_shard(meta_model(fp), raf=raf, bf16=bf16), seed)
+
+
+def ref_train(fp, model, optimizer, steps, seed: int = 0) -> list[float]:
+    """The lesson's training step with this file's own slicing of the global batch."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        x, y = fp.global_batch(step, seed)
+        per = len(x) // world_size
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        optimizer.zero_grad(set_to_none=True)
+        loss = fp.loss_fn(model(x.to(rank_device())), y.to(rank_device()))
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world_size)
+    return losses
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name, as plain CPU tensors (collective)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for n, p in model.named_parameters()}
+
+
+def full_adam(model, optimizer) -> dict[str, torch.Tensor]:
+    """Adam's first moment of every parameter, whole, by name (collective)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    sd = get_optimizer_state_dict(model, optimizer,
+                                  options=StateDictOptions(full_state_dict=True))
+    return {n: st["exp_avg"].detach().cpu().clone() for n, st in sd["state"].items()
+            if "exp_avg" in st}
+
+
+def unsharded_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
+@contextmanager
+def counting_collectives():
+    """Count the all-gathers, and record the dtypes of the reduce-scatters, this rank issues
+    (under whichever name this torch's FSDP2 calls them)."""
+    seen = {"all_gather": 0, "reduce_dtypes": []}
+    saved = {}
+
+    def wrap(name, kind):
+        real = getattr(dist, name)
+
+        def spy(*args, **kwargs):
+            if kind == "all_gather":
+                seen["all_gather"] += 1
+            else:
+                tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+                if tensor is not None:
+                    seen["reduce_dtypes"].append(str(tensor.dtype))
+            return real(*args, **kwargs)
+
+        saved[name] = real
+        setattr(dist, name, spy)
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            wrap(name, "all_gather")
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            wrap(name, "reduce")
+    try:
+        yield seen
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+# --- 09.17-09.20 and the recipe -------------------------------------------------------------
+
+def _units_check(fp):
+    """Which modules are units, and which parameters are held whole after a forward."""
+    out = {}
+    for raf in (True, False):
+        model = fp.shard_transformer(meta_model(fp), reshard_after_forward=raf)
+        units = {"root": isinstance(model, FSDPModule)}
+        units.update({f"blocks.{i}": isinstance(b, FSDPModule)
+                      for i, b in enumerate(model.blocks)})
+        ref_materialize(fp, model)
+        types = sorted({type(p).__name__ for p in model.parameters()})
+        x, y = fp.global_batch(0)
+        per = len(x) // dist.get_world_size()
+        x, y = x[dist.get_rank() * per:][:per], y[dist.get_rank() * per:][:per]
+        logits = model(x)
+        held = unsharded_names(model)
+        fp.loss_fn(logits, y).backward()
+        out[f"raf={raf}"] = {"units": units, "types": types, "held": held}
+    return out
+
+
+def _fp32_check(fp, steps):
+    model = fp.shard_transformer(meta_model(fp))
+    ref_materialize(fp, model)
+    return {"losses": ref_train(fp, model, fp.make_optimizer(model.parameters()), range(steps))}
+
+
+def _bf16_check(fp, steps):
+    """The dtype each block's weights have when it computes, the dtype the gradients are
+    reduce-scattered in, the shards' dtype, and the losses (or the error training hit)."""
+    model = fp.shard_transformer(meta_model(fp), bf16=True)
+    ref_materialize(fp, model)
+    compute = {}
+    for i, block in enumerate(model.blocks):  # the block's first layer, its weights gathered
+        block.norm1.register_forward_pre_hook(
+            lambda m, args, i=i, block=block: compute.__setitem__(
+                f"blocks.{i}", str(block.qkv.weight.dtype)))
+    optimizer = fp.make_optimizer(model.parameters())
+    out = {"losses": None, "error": None}
+    with counting_collectives() as seen:
+        try:
+            out["losses"] = ref_train(fp, model, optimizer, range(steps))
+        except RuntimeError as exc:  # e.g. "mat1 and mat2 must have the same dtype"
+            out["error"] = (str(exc).splitlines() or [""])[0]
+    out.update(compute=compute, reduce=sorted(set(seen["reduce_dtypes"])),
+               master=sorted({str(p.dtype) for p in model.parameters()}))
+    return {"bf16": out}
+
+
+def _prefetch_check(fp, ahead):
+    model = ref_shard(meta_model(fp))
+    enabled = fp.set_prefetch(list(model.blocks), ahead=ahead)
+    ref_materialize(fp, model)
+    counts = {}
+    with counting_collectives() as seen:
+        for i, block in enumerate(model.blocks):  # inside the block: after FSDP2's pre-forward
+            block.norm1.register_forward_pre_hook(
+                lambda m, args, i=i: counts.__setitem__(i, seen["all_gather"]))
+        x, _ = fp.global_batch(0)
+        for _ in range(2):  # the second forward, after the lazy initialisation
+            seen["all_gather"] = 0
+            model(x[:2]).sum().backward()
+    return {"enabled": enabled, "counts": [counts[i] for i in range(len(model.blocks))]}
+
+
+def _init_check(fp, seed):
+    model = ref_shard(meta_model(fp))
+    with MemoryTracker(rank_device().type) as mem:
+        fp.materialize(model, rank_device(), seed)
+    local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()
+                if isinstance(p, DTensor))
+    return {"peak": mem.peak, "local": local,
+            "types": sorted({type(p).__name__ for p in model.parameters()}),
+            "devices": sorted({str(p.device) for p in model.parameters()}),
+            "full": full_params(model)}
+
+
+def _slice_check(fp, steps):
+    model = ref_build(fp)
+    return {"losses": fp.train_steps(model, fp.make_optimizer(model.parameters()), steps)}
+
+
+def _recipe_check(fp, steps):
+    with MemoryTracker(rank_device().type) as mem:
+        model = fp.build_sharded(0)
+    build_peak = mem.peak
+    r = fp.practice_worker(dist.get_rank(), dist.get_world_size(), steps=steps)
+    rb = fp.practice_worker(dist.get_rank(), dist.get_world_size(), steps=steps, bf16=True)
+    del model
+    return {"build_peak": build_peak, "losses": r["losses"], "bf16_losses": rb["losses"],
+            "memory": r["memory"], "held_after_forward": r["held_after_forward"]}
+
+
+def _by_hand_check(fp, steps):
+    """The notebook's comparison: the hand-written FSDP through the same loop, fp32 and bf16."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return {"losses": fp.by_hand_worker(rank, world_size, steps=steps, peak=False)["losses"],
+            "bf16_losses": fp.by_hand_worker(rank, world_size, steps=steps, bf16=True,
+                                             peak=False)["losses"]}
+
+
+def practice_checks(rank, world_size, steps=3, init_seed=3):
+    """Every 09.17-09.20 check in one launch: each part graded by its own test."""
+    fp = practice()
+    out = {"units": _part(_units_check, fp), "fp32": _part(_fp32_check, fp, steps),
+           "bf16": _part(_bf16_check, fp, steps),
+           "prefetch": {a: _part(_prefetch_check, fp, a) for a in (0, 1, 2)},
+           "init": _part(_init_check, fp, init_seed),
+           "slice": _part(_slice_check, fp, steps),
+           "recipe": _part(_recipe_check, fp, steps),
+           "by_hand": _part(_by_hand_check, fp, steps)}
+    if rank != 0 and isinstance(out["init"].get("full"), dict):
+        out["init"]["full"] = None  # rank 0's copy is enough
+    return out
+
+
+# --- 09.21-09.23: DCP ----------------------------------------------------------------------
+
+def dcp_save_run(rank, world_size, folder, reference, export, steps=6, save_at=3):
+    """The uninterrupted run: reference model and loop; at ``save_at`` the lesson's save into
+    ``folder`` and torch's into ``reference`` (what the model and Adam held then is returned),
+    the lesson's export at the end."""
+    fp, ck = practice(), checkpointing()
+    model = ref_build(fp)
+    optimizer = fp.make_optimizer(model.parameters())
+    losses = ref_train(fp, model, optimizer, range(save_at))
+    saved = {"params": full_params(model), "adam": full_adam(model, optimizer)}
+    save = _part(ck.save_checkpoint, model, optimizer, folder, save_at)
+    dist.barrier()
+    ref_save(model, optimizer, reference, save_at)  # what the resume tests load
+    losses += ref_train(fp, model, optimizer, range(save_at, steps))
+    final = full_params(model)
+    exported = _part(ck.export_full, model, export)
+    if rank == 0 and not (isinstance(exported, dict) and "error" in exported):
+        import os
+
+        exported = {"exists": os.path.exists(export)}
+        if exported["exists"]:
+            state = torch.load(export, weights_only=False)  # may hold DTensors: inspect them
+            exported.update(
+                types=sorted({type(v).__name__ for v in state.values()}),
+                devices=sorted({str(v.device) for v in state.values()
+                                if isinstance(v, torch.Tensor)}),
+                shapes={k: tuple(v.to_local().shape if isinstance(v, DTensor) else v.shape)
+                        for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return {"losses": losses, "save": save, "exported": exported,
+            "saved": saved if rank == 0 else None, "final": final if rank == 0 else None}
+
+
+def dcp_resume_run(rank, world_size, folder, steps=6, broken=(), lesson_saved=None):
+    """A fresh model (another seed, so only a real load gives the saved weights) loads the
+    checkpoint with the lesson's load_checkpoint, then trains to ``steps``; then the lesson's
+    load_checkpoint on each ``broken`` folder, whose error is returned."""
+    fp, ck = practice(), checkpointing()
+    model = ref_build(fp, seed=7)
+    optimizer = fp.make_optimizer(model.parameters())
+    out = {}
+
+    def resume():
+        start = ck.load_checkpoint(model, optimizer, folder)
+        loaded = {"params": full_params(model), "adam": full_adam(model, optimizer)}
+        losses = ref_train(fp, model, optimizer, range(int(start), steps))
+        return {"start": start, "losses": losses, "loaded": loaded if rank == 0 else None}
+
+    out["resume"] = _part(resume)
+    errors = {}
+    for bad in broken:
+        try:
+            ck.load_checkpoint(model, optimizer, bad)
+            errors[bad] = None
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the finding
+            errors[bad] = {"type": type(exc).__name__, "message": str(exc)}
+        dist.barrier()
+    out["broken"] = errors
+    if lesson_saved:  # the lesson's own checkpoint, read back by torch's load
+        out["read_back"] = read_back(rank, world_size, lesson_saved)
+    return out
+
+
+def ref_save(model, optimizer, folder, step):
+    """torch's own sharded save, in the layout the lesson documents."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=folder)
+
+
+def ref_load(model, optimizer, folder) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "step": -1}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return state["step"]
+
+
+def read_back(rank, world_size, folder):
+    """torch's own load of a checkpoint the lesson saved, into a model of another seed."""
+    fp = practice()
+    model = ref_build(fp, seed=7)
+    optimizer = fp.make_optimizer(model.parameters())
+
+    def read():
+        start = ref_load(model, optimizer, folder)
+        return {"start": start, "params": full_params(model),
+                "adam": full_adam(model, optimizer)}
+
+    result = _part(read)
+    return result if rank == 0 or "error" in result else {}
