@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpt.dist import get_rank, get_world_size
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says which file and why."""
@@ -57,13 +59,6 @@ def strip_module_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
 
 
-def _world() -> tuple[int, int]:
-    """``(rank, world size)`` in the process group, ``(0, 1)`` outside one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def exists_on_rank_0(path: str | os.PathLike) -> bool:
     """Whether ``path`` exists as rank 0 sees it, on every rank (collective: all ranks call it).
 
@@ -71,7 +66,7 @@ def exists_on_rank_0(path: str | os.PathLike) -> bool:
     themselves could disagree (a snapshot written between two ranks' looks, a node whose disk
     lacks the file): they would start at different epochs and wait forever for each other.
     """
-    rank, world_size = _world()
+    rank, world_size = get_rank(), get_world_size()
     answer = [os.path.exists(path) if rank == 0 else None]
     if world_size > 1:
         dist.broadcast_object_list(answer, src=0)
@@ -82,7 +77,7 @@ def check_same_epoch(epoch: int, path: str | os.PathLike) -> None:
     """Collective: refuse, on every rank at once, a resume whose ranks read snapshots of
     different epochs (a node kept an old copy), which would train different numbers of epochs
     and wait forever for each other."""
-    _, world_size = _world()
+    world_size = get_world_size()
     epochs = [epoch] * world_size
     if world_size > 1:
         dist.all_gather_object(epochs, epoch)
@@ -141,7 +136,7 @@ def check_dcp_checkpoint(folder: str | os.PathLike) -> None:
     The ranks compare what they see, so a folder one node lacks fails everywhere at once with
     one line, instead of one rank failing inside ``dcp.load`` while the others wait for it.
     """
-    rank, world_size = _world()
+    world_size = get_world_size()
     problem = dcp_problem(folder)
     if world_size > 1:
         problems: list = [None] * world_size

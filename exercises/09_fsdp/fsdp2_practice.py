@@ -37,15 +37,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dpt.dist import device_mesh, rank_device
+from dpt.dist import device_mesh, get_rank, get_world_size, rank_device
 from dpt.models import TinyTransformer, token_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
+sys.path.append(str(Path(__file__).resolve().parents[1] / "08_sharding"))  # lesson 08
+from fsdp_by_hand import loss_fn  # noqa: E402, F401 (the lesson's loss, for the callers here)
+from zero_accounting import measure_bytes  # noqa: E402
 
 CONFIG = {"vocab": 256, "dim": 64, "heads": 4, "layers": 4, "seq_len": 64}
 GLOBAL_BATCH = 8  # sequences per step, over all ranks: a multiple of 1, 2 and 4
@@ -175,18 +177,8 @@ def global_batch(step: int, seed: int = 0, config: dict | None = None,
     return token_batch(batch, cfg["seq_len"], cfg["vocab"], seed=seed * 100_003 + step)
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def unsharded_bytes(model: nn.Module) -> int:
@@ -194,22 +186,6 @@ def unsharded_bytes(model: nn.Module) -> int:
     gathered parameters as plain tensors while it is unsharded, its shards as DTensors)."""
     return sum(p.numel() * p.element_size() for p in model.parameters()
                if not isinstance(p, DTensor))
-
-
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Bytes this rank keeps between steps: its parameter shards, gradients, optimizer state."""
-    def size(t):
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    params = list(model.parameters())
-    out = {"params": sum(size(p) for p in params),
-           "grads": sum(size(p.grad) for p in params if p.grad is not None),
-           "optimizer": 0}
-    if optimizer is not None:
-        out["optimizer"] = sum(size(v) for st in optimizer.state.values() for v in st.values()
-                               if torch.is_tensor(v) and v.dim() > 0)
-    return out
 
 
 def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range | int,
@@ -220,7 +196,7 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range
     ``record`` (a dict) receives the step times in seconds and, on the first step, the bytes
     of parameters held whole between forward and backward.
     """
-    rank, world_size = _world()
+    rank, world_size = get_rank(), get_world_size()
     device = rank_device()
     steps = range(steps) if isinstance(steps, int) else steps
     losses = []
@@ -263,7 +239,7 @@ def measured_run(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int,
     losses += train_steps(model, optimizer, range(len(losses), steps), seed, finish=finish,
                           record=record)
     times = record.get("step_s", [0.0])
-    return {"rank": _world()[0], "losses": losses, "memory": local_bytes(model, optimizer),
+    return {"rank": get_rank(), "losses": losses, "memory": measure_bytes(model, optimizer),
             "held_after_forward": record.get("held_after_forward"), "peak": record.get("peak"),
             "step_s": statistics.median(times[1:] or times)}
 
