@@ -24,7 +24,12 @@ step without communication (``ddp.no_sync()``): the harness times both, and the 
 communication plus waiting.
 
 A method must not fake work it does not do: ``requires`` says when it cannot run
-("cuda", "cuda>=2", "apex"), and the harness records it as skipped with that reason.
+("cuda", "cuda>=2", "apex", "compiler"), and the harness records it as skipped with that reason.
+
+``quick=False`` leaves a method out of ``--quick`` (``QUICK=1 make benchmark``) unless
+``--methods`` names it: the quick run must fit 5 minutes on 8 GPUs, so lessons from 10 on
+(whose methods compile graphs or compress gradients, variations of DDP that the quick run
+already times) are in the full run only.
 """
 
 from __future__ import annotations
@@ -107,13 +112,14 @@ class Method:
     lesson: str = ""
     max_procs: int | None = None
     launcher: str = "spawn"  # "spawn": dpt.ranks.run_distributed; "torchrun": torchrun
+    quick: bool = True  # part of --quick when --methods is not given
 
 
 REGISTRY: dict[str, Method] = {}
 
 
 def method(name: str, description: str, requires: tuple[str, ...] = (), min_procs: int = 1,
-           max_procs: int | None = None, launcher: str = "spawn"):
+           max_procs: int | None = None, launcher: str = "spawn", quick: bool = True):
     """Register a benchmark method (see the module docstring).
 
     ``launcher="torchrun"`` starts the ranks with torchrun (``benchmarks/torchrun_worker.py``)
@@ -126,7 +132,7 @@ def method(name: str, description: str, requires: tuple[str, ...] = (), min_proc
         if name in REGISTRY:
             raise ValueError(f"benchmark method {name!r} is registered twice")
         REGISTRY[name] = Method(name, description, fn, tuple(requires), min_procs,
-                                fn.__module__.rsplit("_", 1)[-1], max_procs, launcher)
+                                fn.__module__.rsplit("_", 1)[-1], max_procs, launcher, quick)
         return fn
 
     return wrap

@@ -27,7 +27,8 @@ no GPU or ``DPT_TEST_BACKEND=gloo`` (the test suite) says so; gloo with several 
 under ``DPT_SHARE_GPU=1`` (:func:`rank_placement`). On one device there is no all-reduce to
 time, so the cost model is a projection onto a named interconnect (``--interconnect``).
 ``--quick`` on GPUs plans its length before it starts (N = 1 and every GPU, as many rounds as
-fit in ``QUICK_GPU_BUDGET_S``) and stops launching when that time is spent.
+fit in ``QUICK_GPU_BUDGET_S``) and stops launching when that time is spent; it leaves out the
+methods registered with ``quick=False`` (``--list`` marks them) unless ``--methods`` names them.
 """
 
 from __future__ import annotations
@@ -391,6 +392,12 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
 
             if importlib.util.find_spec("lightning_fabric") is None:
                 return "needs Lightning (pip install pytorch-lightning)"
+        if r == "compiler":  # torch.compile's inductor backend for the ranks' device
+            from compile_ddp import compiler_problem
+
+            problem = compiler_problem(device)
+            if problem:
+                return problem
         if r == "data":
             from dpt.data import is_present
 
@@ -1025,7 +1032,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a short run (under 5 min on 2 cores; on GPUs N = 1 and all of them, "
                         "as many rounds as fit in 4.5 min)")
     p.add_argument("--methods", default=os.environ.get("METHODS") or None,
-                   help="comma-separated subset (default: all registered)")
+                   help="comma-separated subset (default: all registered; with --quick, "
+                        "those not marked full-run only)")
     p.add_argument("--nprocs", default=os.environ.get("NPROCS") or None,
                    help="comma-separated N values (default: 1, 2, 4, ... up to the devices; "
                         "with DPT_SHARE_GPU=1 up to 4 ranks on one GPU)")
@@ -1174,7 +1182,8 @@ def plan_run(args: argparse.Namespace, methods) -> Plan:
     :class:`UsageError` on bad input."""
     cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model,
                  pin=not args.no_pin)
-    names = parse_list(args.methods) or list(methods)
+    names = parse_list(args.methods) or [n for n, m in methods.items()
+                                         if m.quick or not args.quick]
     unknown = [n for n in names if n not in methods]
     if unknown:
         raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(methods)}")
@@ -1303,7 +1312,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for m in methods.values():
             req = f" (requires {', '.join(m.requires)})" if m.requires else ""
-            print(f"{m.name:<26}{m.description}{req}")
+            full = "" if m.quick else " [full run only: not in --quick]"
+            print(f"{m.name:<26}{m.description}{req}{full}")
         return 0
     try:
         plan = plan_run(args, methods)

@@ -281,10 +281,14 @@ def agree_on_backend(store: dist.Store, rank: int, world_size: int, backend: str
     problem = backend_mismatch(choices)
     if problem is None:
         return
-    space.add("read", 1)
+    done = space.add("read", 1)  # the last rank to read learns it here, with no more calls
     deadline = time.monotonic() + grace_s
-    while space.add("read", 0) < world_size and time.monotonic() < deadline:
+    while done < world_size and time.monotonic() < deadline:
         time.sleep(0.05)
+        try:
+            done = space.add("read", 0)
+        except (RuntimeError, OSError):  # the store's host left: it saw every rank had read
+            break
     raise LaunchError(problem)
 
 

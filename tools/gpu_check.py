@@ -210,7 +210,31 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
                                "--steps", "10", "--bf16"],
                               **common, estimate=20, env=dict(env),
                               expect=(rf"FSDP2 on {n} rank",)))
-        out += [it for it in batch if n > 1 or not it.name.startswith("l05-ring")]  # 2+ ranks
+        batch += [
+            Item(f"l10-traces{name}", f"lesson 10: one traced step of each method, {n} ranks",
+                 [py, f"{S}/10_inside_a_step/traces.py", "--nproc", str(n), "--out",
+                  f"{ck}-traces", "--figure", f"{ck}-timeline.png"],
+                 **common, estimate=25, timeout=300, env=dict(env),
+                 expect=(r"hidden: share of the communication", "timeline:")),
+            Item(f"l10-compile{name}", f"lesson 10: DDP around an inductor-compiled model, "
+                 f"{n} ranks, against eager", [py, f"{S}/10_inside_a_step/compile_ddp.py",
+                                               "--nproc", str(n), "--backend", "inductor",
+                                               "--caps", "default", "--bench", "2"],
+                 **common, estimate=80, timeout=480, env=dict(env),
+                 expect=("losses, inductor", "ms/step eager")),
+            Item(f"l10-hooks{name}", f"lesson 10: DDP comm hooks (bf16, PowerSGD), {n} ranks",
+                 [py, f"{S}/10_inside_a_step/comm_hooks.py", "--nproc", str(n), "--seeds",
+                  "1", "--epochs", "0.2", "--hooks", "none", "bf16", "bf16_by_hand",
+                  "powersgd"],
+                 **common, estimate=25, timeout=300, env=dict(env),
+                 expect=("bf16_by_hand", "powersgd")),
+        ]
+        # 2+ ranks. Lesson 10 at the smallest N only, and its compiled DDP at 2 ranks only
+        # where they share the GPUs with other items (on 2 GPUs NCCL needs both, and the plan
+        # must fit the cap: l10-compile-1gpu compiles on one of them there)
+        out += [it for it in batch if (n > 1 or not it.name.startswith(("l05-ring", "l10-")))
+                and (n == min(ns) or not it.name.startswith("l10-"))
+                and not (it.name.startswith("l10-compile") and lane(n) == "exclusive")]
     for strategy in ("ddp", "ddp_spawn", "fsdp"):
         for n in [1] if shared else ns:  # one GPU: Lightning gets it alone
             out.append(Item(f"l07-{strategy}-n{n}",
@@ -231,6 +255,13 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
               f"{py} {S}/01_single_device/single_device.py --device cuda --epochs 2 "
               f"--limit-batches 50 --resume {tmp}/l01.pt --no-progress"],
              gpu="light", estimate=30, expect=("resumed from", "on cuda")),
+        Item("l10-compile-1gpu", "lesson 10: compiled DDP, one NCCL rank on one GPU",
+             [py, f"{S}/10_inside_a_step/compile_ddp.py", "--nproc", "1", "--backend",
+              "inductor", "--caps", "default", "--bench", "3"],
+             gpu="light", estimate=90, timeout=480, expect=("losses, inductor",)),
+        Item("l10-hang-clinic", "lesson 10: every hang reproduced, diagnosed and fixed (gloo)",
+             [py, f"{S}/10_inside_a_step/hang_clinic.py", "--check"],
+             gpu="light", cpus=2, estimate=60, timeout=240, expect=("every case checked",)),
         Item("l02-dataparallel", "nn.DataParallel across every GPU",
              [py, f"{S}/02_data_parallel/data_parallel.py", "--limit-batches", "20",
               "--no-progress"], gpu="light", estimate=20),

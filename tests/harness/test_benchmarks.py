@@ -830,6 +830,35 @@ def _fake_launch(clock, spawn_s, torchrun_s):
     return launch
 
 
+def test_quick_leaves_out_full_run_methods_unless_named():
+    """Methods registered with quick=False are in the full run and in --list, not in --quick,
+    except when --methods names them."""
+    from benchmarks.registry import Method
+    from benchmarks.run import build_parser, plan_run
+
+    def factory(ctx):
+        return lambda: 0.0
+
+    methods = {"fast": Method("fast", "d", factory), "slow": Method("slow", "d", factory,
+                                                                     quick=False)}
+    def plan(*argv):
+        return plan_run(build_parser().parse_args([*argv, "--nprocs", "1"]), methods)
+    assert plan("--quick").names == ["fast"]
+    assert plan().names == ["fast", "slow"]
+    assert plan("--quick", "--methods", "slow").names == ["slow"]
+
+
+def test_list_marks_full_run_methods(capsys):
+    from benchmarks.run import load_all, main
+
+    slow = [m.name for m in load_all().values() if not m.quick]
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in slow:
+        line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
+        assert "not in --quick" in line
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("slowdown", [1, 3])
 def test_quick_on_an_8_gpu_machine_plans_and_keeps_under_5_minutes(
@@ -855,9 +884,9 @@ def test_quick_on_an_8_gpu_machine_plans_and_keeps_under_5_minutes(
     monkeypatch.setattr(dpt.ranks, "run_distributed", curve)
     monkeypatch.setattr(dpt.ranks, "restart_fork_server", lambda: True)
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    # every method the lessons register (not this suite's own, which other tests load)
+    # every method of the quick run (the lessons' own, not this suite's, which other tests load)
     real = [m.name for m in run.load_all().values()
-            if m.factory.__module__.startswith("benchmarks.")]
+            if m.factory.__module__.startswith("benchmarks.") and m.quick]
     start = clock.t
     assert run.main(["--quick", "--out", str(tmp_path), "--methods", ",".join(real)]) == 0
     took = clock.t - start

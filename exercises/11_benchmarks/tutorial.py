@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Lesson 10: reading the benchmark
+# # Lesson 11: reading the benchmark
 #
 # `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks, in
 # interleaved rounds, and writes `benchmarks/runs/<time>/results.json` (a folder git ignores;
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dpt.notebook import use_lesson
 
-use_lesson("10_benchmarks")
+use_lesson("11_benchmarks")
 from dpt.data import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT))
