@@ -31,3 +31,10 @@ def zero_demo(rank: int, world_size: int) -> dict:
 def amp_ddp(rank: int, world_size: int, precision: str) -> dict:
     amp_inspect = load("06_mixed_precision", "amp_inspect")
     return amp_inspect.ddp_dtypes(rank, world_size, precision=precision, steps=3, batch_size=8)
+
+
+def compiled_vs_eager(rank: int, world_size: int, backend: str) -> dict:
+    cdp = load("10_inside_a_step", "compile_ddp")
+    out = cdp.compare_losses(backend)
+    return {"eager": out["eager"], "compiled": out["compiled"], "graphs": out["graphs"],
+            "device": str(rank_device())}

@@ -102,3 +102,35 @@ def test_ddp_autocast_on_nccl_keeps_ranks_in_sync(precision):
                             args=(precision,), timeout=240)
     assert all(r["allreduce_dtypes"] == ["torch.float32"] for r in ranks)
     torch.testing.assert_close(ranks[0]["params"], ranks[1]["params"])
+
+
+@gpu
+def test_lesson_10_traces_on_the_gpu_hold_kernels_and_the_collectives(monkeypatch, tmp_path):
+    """One traced step on the GPU(s): NCCL with a GPU per rank, else 2 gloo ranks sharing
+    one GPU. The trace holds CUDA kernels, communication, and a hidden fraction in [0, 1]."""
+    tr = load("10_inside_a_step", "traces")
+    if N_GPUS < 2:
+        monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    ranks = tr.run_traces(("torch_ddp", "naive", "bucketed"), nproc=2, out=tmp_path,
+                          timeout=240)
+    for method in ("torch_ddp", "naive", "bucketed"):
+        events = tr.read_trace(tr.result_of(ranks, method)[0]["path"])
+        assert tr.on_gpu(events), f"{method}: no CUDA kernel in the trace"
+        assert tr.comm_intervals(events), f"{method}: no communication in the trace"
+        if N_GPUS >= 2:
+            assert any("nccl" in e.name.lower() for e in events if e.cat == "kernel"), method
+        fraction = tr.hidden_fraction(events)["fraction"]
+        assert fraction is not None and 0.0 <= fraction <= 1.0, (method, fraction)
+
+
+@gpu
+def test_lesson_10_compiled_ddp_on_one_gpu_trains_like_eager():
+    cdp = load("10_inside_a_step", "compile_ddp")
+    problem = cdp.compiler_problem("cuda")
+    if problem:
+        pytest.skip(problem)
+    (rank,) = run_distributed(rank_fns.compiled_vs_eager, world_size=1, backend="nccl",
+                              args=("inductor",), timeout=280)
+    assert rank["device"] == "cuda:0"
+    # inductor fuses and reorders float operations: close, not bit-equal
+    assert rank["compiled"] == pytest.approx(rank["eager"], rel=1e-3, abs=1e-4)
