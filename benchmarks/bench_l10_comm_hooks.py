@@ -43,30 +43,11 @@ CONFIGS = [("none", "none", None), ("fp16", "fp16", None), ("bf16", "bf16", None
 
 
 def run(configs, seeds: int, epochs: float, nproc: int, timeout: float) -> dict:
+    """Each configuration for each seed on gloo ranks (the reference is a CPU's), the order
+    rotated each seed: a drift of the machine's speed spreads over every one alike."""
     import comm_hooks as ch
 
-    from dpt.ranks import run_distributed
-
-    results: dict[str, list] = {label: [] for label, _, _ in configs}
-    for seed in range(seeds):
-        # seeds outermost, the order rotated each seed: a drift of the machine's speed
-        # spreads over every configuration alike
-        order = configs[seed % len(configs):] + configs[:seed % len(configs)]
-        for label, hook, opts in order:
-            t0 = time.perf_counter()
-            ranks = run_distributed(ch.train_worker, world_size=nproc, backend="gloo",
-                                    threads=1, timeout=timeout, echo=False,
-                                    kwargs={"hook": hook, "seed": seed, "epochs": epochs,
-                                            "hook_opts": opts})
-            for r in ranks:
-                r.pop("params", None)
-                r["losses"] = r["losses"][-20:]
-            results[label].append(ranks)
-            print(f"  {label} seed {seed}: accuracy {100 * ranks[0]['accuracy']:.2f}%, "
-                  f"{1000 * max(r['step_s'] for r in ranks):.2f} ms/step, "
-                  f"{ranks[0]['bytes_per_step']} B/step ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
-    return results
+    return ch.run_hooks(configs, seeds, epochs, nproc, timeout, backend="gloo", rotate=True)
 
 
 def compact(raw: dict) -> dict:

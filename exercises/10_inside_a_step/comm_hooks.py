@@ -328,27 +328,34 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def run_hooks(hooks, seeds: int, epochs: float, nproc: int, timeout: float = 600,
-              powersgd: dict | None = None, **kwargs) -> dict[str, list[list[dict]]]:
+              powersgd: dict | None = None, backend: str = "auto", rotate: bool = False,
+              **kwargs) -> dict[str, list[list[dict]]]:
     """Every hook for each seed, each in fresh processes (:func:`train_worker`, ``kwargs``
-    passed on; ``powersgd``: PowerSGD's options); seeds outermost, so a drift of the
-    machine's speed spreads over every hook alike."""
+    passed on). A hook is a name (``powersgd`` takes the options ``powersgd``) or a
+    ``(label, name, options)`` triple, results keyed by label. Seeds outermost, so a drift of
+    the machine's speed spreads over every hook alike; ``rotate`` also turns the order of the
+    hooks by one each seed."""
     from dpt.ranks import run_distributed
 
-    results: dict[str, list] = {h: [] for h in hooks}
+    runs = [h if isinstance(h, tuple) else (h, h, powersgd if h == "powersgd" else None)
+            for h in hooks]
+    results: dict[str, list] = {label: [] for label, _, _ in runs}
     for seed in range(seeds):
-        for hook in hooks:
+        k = seed % len(runs) if rotate else 0
+        for label, hook, opts in runs[k:] + runs[:k]:
             t0 = time.perf_counter()
             ranks = run_distributed(train_worker, world_size=nproc, timeout=timeout, echo=False,
-                                    kwargs={"hook": hook, "seed": seed, "epochs": epochs,
-                                            "hook_opts": powersgd if hook == "powersgd" else None,
-                                            **kwargs})
+                                    backend=backend, kwargs={"hook": hook, "seed": seed,
+                                                             "epochs": epochs,
+                                                             "hook_opts": opts, **kwargs})
             for r in ranks:
                 r.pop("params", None)
                 r["losses"] = r["losses"][-50:]
-            results[hook].append(ranks)
-            print(f"  {hook} seed {seed}: accuracy {100 * ranks[0]['accuracy']:.2f}%, "
-                  f"{1000 * max(r['step_s'] for r in ranks):.2f} ms/step "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            results[label].append(ranks)
+            print(f"  {label} seed {seed}: accuracy {100 * ranks[0]['accuracy']:.2f}%, "
+                  f"{1000 * max(r['step_s'] for r in ranks):.2f} ms/step, "
+                  f"{ranks[0]['bytes_per_step']} B/step ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
     return results
 
 

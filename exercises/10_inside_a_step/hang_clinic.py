@@ -347,12 +347,21 @@ def main(argv: list[str] | None = None) -> None:
     import hang_clinic  # the ranks look the cases up by this module name
 
     if args.check:
+        failed = []
         for case in [args.case] if args.case else list(CASES):
             print(f"checking {case} ...", flush=True)
             try:
-                print("\n".join(hang_clinic.check_case(case, args.ranks, args.timeout)))
+                lines = hang_clinic.check_case(case, args.ranks, args.timeout)
             except NotImplementedError as e:
                 print(f"  skipped: {e}")
+                failed.append(case)
+                continue
+            print("\n".join(lines))
+            if any("NOT found" in line or "FAILED" in line or "(!)" in line for line in lines):
+                failed.append(case)
+        if failed:
+            sys.exit(f"not passed yet: {', '.join(failed)}")
+        print("every case checked: diagnosed and fixed")
         return
     if args.case is None:
         parser.error("give --case (or --check)")
