@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -573,6 +573,7 @@ class Stopped(KeyboardInterrupt):
 
 _LIVE: dict[int, subprocess.Popen] = {}  # the sandboxes running now, by pid
 _STOPPING = threading.Event()
+_IN_POOL = threading.Event()  # the main thread is waiting on the pool of graders
 _STOP_SIGNAL = [signal.SIGTERM]  # the signal that stopped the grader
 
 
@@ -1029,16 +1030,27 @@ def grade_class(args) -> list[SubmissionResult]:
                     bar.update()
                     continue
                 futures[pool.submit(grade_lesson, sandbox, s, n)] = (s, n)
-            for fut in as_completed(futures):
-                s, n = futures[fut]
-                with lock:
-                    by_sub[s.name][n] = fut.result()
-                    bar.set_postfix_str(f"{s.name} {n}")
-                    bar.update()
+            # While the pool runs, a stop signal only kills the sandboxes and sets _STOPPING
+            # (_on_stop_signal): this loop notices within half a second and raises. Raised
+            # from the handler, it could land inside the futures' own locks and leave a worker
+            # unable to report its result, and the shutdown below waiting for it forever.
+            _IN_POOL.set()
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    s, n = futures[fut]
+                    with lock:
+                        by_sub[s.name][n] = fut.result()
+                        bar.set_postfix_str(f"{s.name} {n}")
+                        bar.update()
+                if _STOPPING.is_set():
+                    raise Stopped(_STOP_SIGNAL[0])
         except BaseException:  # stopped (a signal) or broken: no lesson may run on alone
             stop_sandboxes()
             raise
         finally:
+            _IN_POOL.clear()
             pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
         wall = time.monotonic() - start
@@ -1084,7 +1096,8 @@ def _on_stop_signal(signum, _frame):
     stop_sandboxes(signum)
     for sig in STOP_SIGNALS:  # a second signal while cleaning up: kill again, do not unwind
         signal.signal(sig, lambda *_: stop_sandboxes())
-    raise Stopped(signum)
+    if not _IN_POOL.is_set():  # waiting on the pool: its loop raises at a safe point
+        raise Stopped(signum)
 
 
 def main(argv=None) -> int:

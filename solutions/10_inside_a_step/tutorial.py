@@ -42,8 +42,8 @@ use_lesson("10_inside_a_step")
 #
 # All train the same TinyTransformer (4 blocks of width 256, about 13 MB of gradients), so
 # the steps compare. A method whose lesson 05 or 09 task is not done yet is left out, with the
-# task's name. Each rank writes one Chrome trace per method, `<method>.rank<r>.json`, under
-# `benchmarks/runs/lessons/l10_traces/`. About 15 s on a 2-core CPU.
+# task's name. Each rank writes one Chrome trace per method, `<method>.rank<r>.json`, in the
+# folder `tr.OUT` (the cell prints each file's path). About 15 s on a 2-core CPU.
 #
 # The ranks start the profiler quietly (`KINETO_LOG_LEVEL=6`). If you run the profiler
 # yourself and see `USDT ... profiler_start` or `ERROR ... gpuGetDeviceCount failed with code
