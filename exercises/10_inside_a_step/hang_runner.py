@@ -119,7 +119,13 @@ def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
 
     fn = hang_clinic.CASES[case][1 if fixed else 0]
     dist.set_debug_level_from_env()  # reads TORCH_DISTRIBUTED_DEBUG, set by run_case's env
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    # The short timeout is for the case's collectives. Joining waits for the slowest rank to
+    # start, which on a loaded machine can take longer: the store that joins them waits for
+    # STARTUP_S, so a late rank is not mistaken for a hang.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout_s, STARTUP_S)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     stack_path = Path(stack_dir) / f"rank{rank}.txt"
     stack_file = open(stack_path, "w")  # noqa: SIM115 - closed below, after the dump

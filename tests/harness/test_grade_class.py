@@ -430,6 +430,14 @@ def _alive(pids: dict[int, str]) -> list[str]:
     return alive
 
 
+def _as_in_a_terminal() -> None:
+    """The grader as a user starts it: Ctrl-C (SIGINT) and SIGTERM at their defaults. A suite
+    started in the background by a script (`tools/stress_suite.sh &`) inherits SIGINT
+    ignored, and the grader, by design, keeps a signal its parent ignores (SIGHUP under nohup)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
@@ -449,7 +457,7 @@ def test_stopping_the_grader_stops_every_sandbox_it_started(tmp_path, signum):
             [sys.executable, "-m", "tools.grade_class", str(tmp_path / "subs"), "--out",
              str(out), "--lessons", "01", "--tasks", "01.1", "--jobs", "1", "--no-progress"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=dict(os.environ, TMPDIR=str(temp)))
+            env=dict(os.environ, TMPDIR=str(temp)), preexec_fn=_as_in_a_terminal)
     started: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 300
