@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dpt.device import synchronize
 from dpt.dist import rank_device
 
 HOOKS = ("none", "fp16", "bf16", "bf16_by_hand", "powersgd")
@@ -179,11 +180,6 @@ def predicted_bytes(model: nn.Module, name: str, rank: int = 1, compressed: bool
 
 # --- given: training with a hook -----------------------------------------------------------------
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _data(train: bool, limit: int | None, dataset: str):
     from dpt.data import load_tensors, prepare_distributed
 
@@ -246,13 +242,13 @@ def train_worker(rank: int, world_size: int, hook: str = "none", seed: int = 0,
                     break
                 xb, yb = xb.to(device), yb.to(device)
                 before = counter.bytes
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 loss = F.cross_entropy(ddp(xb), yb)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                _sync(device)
+                synchronize(device)
                 step_s.append(time.perf_counter() - t0)
                 step_bytes.append(counter.bytes - before)
                 losses.append(loss.item())
