@@ -227,7 +227,7 @@ def pytest_runtest_makereport(item, call):
 
     Task-marked tests are the score, and a stub fails them. Unmarked tests check the given code
     and whole lessons; on a student's tree some cannot run until a task is done (lesson 04's
-    epoch loop needs task 03.3's line), and a failure there would blame the given code for a
+    epoch loop needs task 03.4's line), and a failure there would blame the given code for a
     task the student has not reached. The stub's own NotImplementedError ("Task NN.K: ...", in
     this process or in a rank's traceback) turns the failure into a skip that names the task.
     Any other failure stays a failure, and so does every failure on ``solutions/`` (which has no

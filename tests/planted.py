@@ -15,7 +15,7 @@ means when the file around it changes:
 
 - a task id, ``"NN.K"``: the body of the file's ``# BEGIN SOLUTION NN.K`` block (the lines
   between the markers; every block of that task in the file, when there are several). The
-  entry's id starts with that task. A block carried from an earlier lesson (``03.6`` in lesson
+  entry's id starts with that task. A block carried from an earlier lesson (``03.2`` in lesson
   04's script) is named by its definition instead, since the id names the lesson's own task;
 - a dotted name, ``"main"``, ``"Trainer.__init__"``, ``"main.worker"``: the definition of that
   function, class or method (decorators included), found with ``ast``; ids ``NN.0`` are such

@@ -3,13 +3,13 @@
 ``solutions/`` is the single source of truth. In its Python files, each part a student
 writes sits between two comment lines, nbgrader style::
 
-    # BEGIN SOLUTION 03.2: all-reduce the correct/total counts so every rank sees the totals
+    # BEGIN SOLUTION 03.6: all-reduce the correct/total counts so every rank sees the totals
     ...the solution...
     # END SOLUTION
 
 The generator replaces each block by one line, at the block's indentation::
 
-    raise NotImplementedError("Task 03.2: all-reduce the correct/total counts ...")
+    raise NotImplementedError("Task 03.6: all-reduce the correct/total counts ...")
 
 Every other file is copied as it is (README.md, HINTS.md, figures), except that in every text
 file a path into a lesson, ``solutions/NN_*``, becomes ``exercises/NN_*``: commands in the

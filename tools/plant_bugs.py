@@ -22,7 +22,7 @@ idle cores)::
 
     .venv/bin/python tools/plant_bugs.py                 # every bug, two at a time
     .venv/bin/python tools/plant_bugs.py --list          # the catalogue
-    .venv/bin/python tools/plant_bugs.py --only 05.3-no-mean,03.4-no-barrier -j 1
+    .venv/bin/python tools/plant_bugs.py --only 05.3-no-mean,03.5-no-barrier -j 1
     .venv/bin/python tools/plant_bugs.py --lesson 05
 
 Exit status 0 when every bug is caught for the right reason. ``make plant-bugs`` runs it.

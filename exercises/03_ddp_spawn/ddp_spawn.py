@@ -74,7 +74,7 @@ def join_group(rank: int, world_size: int, local_rank: int, local_world_size: in
     ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
     machine and checks that every rank chose the same backend, before anyone waits.
     """
-    raise NotImplementedError("Task 03.6: the device, the backend that goes with it, then join the group")
+    raise NotImplementedError("Task 03.2: the device, the backend that goes with it, then join the group")
     return device
 
 
@@ -83,7 +83,7 @@ def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample (when the length does not divide, a few samples repeat to even the shares;
     none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    raise NotImplementedError("Task 03.2: a loader over this rank's share of the samples")
+    raise NotImplementedError("Task 03.3: a loader over this rank's share of the samples")
 
 
 class Trainer:
@@ -115,7 +115,7 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        raise NotImplementedError("Task 03.3: a different order every epoch, the same on every rank")
+        raise NotImplementedError("Task 03.4: a different order every epoch, the same on every rank")
         self.model.train()
         losses = []
         for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
@@ -128,7 +128,7 @@ class Trainer:
     def _save_checkpoint(self, epoch: int) -> None:
         """Rank 0 alone writes the plain model (no ``module.``); nobody goes on before the
         file is complete."""
-        raise NotImplementedError("Task 03.4: one writer, the unwrapped model, and everybody waits for it")
+        raise NotImplementedError("Task 03.5: one writer, the unwrapped model, and everybody waits for it")
 
     # from lesson 01_single_device, unchanged: `make carry` updates it [carry bc52a6e1]
     def train(self, max_epochs: int, limit_batches: int | None = None) -> list[float]:
@@ -151,7 +151,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    raise NotImplementedError("Task 03.5: count this rank's real samples, then add up over the ranks")
+    raise NotImplementedError("Task 03.6: count this rank's real samples, then add up over the ranks")
 
 
 # from lesson 01_single_device, unchanged: `make carry` updates it [carry 8f835573]
@@ -201,7 +201,7 @@ def main(local_rank: int, args) -> dict:
         rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
         return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        raise NotImplementedError("Task 03.6: leave the group, whatever happened")
+        raise NotImplementedError("Task 03.2: leave the group, whatever happened")
 
 
 def launch(args) -> None:

@@ -10,11 +10,11 @@
 # | task | where | what it does |
 # |---|---|---|
 # | 03.1 | `ddp_setup` | who this process is in the whole job (`-n` machines, `-g` processes each, machine `-nr`) |
-# | 03.6 | `join_group`, end of `main` | the device and its backend, then join the process group; leave it whatever happens |
-# | 03.2 | `prepare_dataloader` | each rank's own share of the data, shuffled alike on every rank |
-# | 03.3 | `Trainer._run_epoch` | a new order every epoch, the same on every rank |
-# | 03.4 | `Trainer._save_checkpoint` | one writer, the plain model inside DDP, everybody waits for the file |
-# | 03.5 | `evaluate` | the accuracy of the whole test set, every sample counted once |
+# | 03.2 | `join_group`, end of `main` | the device and its backend, then join the process group; leave it whatever happens |
+# | 03.3 | `prepare_dataloader` | each rank's own share of the data, shuffled alike on every rank |
+# | 03.4 | `Trainer._run_epoch` | a new order every epoch, the same on every rank |
+# | 03.5 | `Trainer._save_checkpoint` | one writer, the plain model inside DDP, everybody waits for the file |
+# | 03.6 | `evaluate` | the accuracy of the whole test set, every sample counted once |
 # | 03.7 | `launch` | where rank 0 waits (`MASTER_ADDR`, `MASTER_PORT`), then start the processes with `mp.spawn` |
 #
 # The functions marked `from lesson 01_single_device` are lesson 01's, unchanged: run
@@ -57,7 +57,7 @@ prepare(DATASET)
 # machine: `-n` machines, `-g` processes on each, and `-nr` says which machine this is. The
 # ranks are numbered machine after machine: machine 0 holds ranks 0..g-1, machine 1 the next
 # g, and so on, and there are `n * g` in all. `ddp_setup` (03.1) works out its own rank from
-# that, and `join_group` (03.6) joins the group: process `local_rank` of a machine takes its
+# that, and `join_group` (03.2) joins the group: process `local_rank` of a machine takes its
 # GPU `local_rank` (or the CPU), the backend goes with the device (NCCL for GPUs, gloo for the
 # CPU), and `dist.init_process_group` finds rank 0 at `MASTER_ADDR:MASTER_PORT`, which
 # `launch` (03.7) sets before `mp.spawn` starts one process per device, each running `main`.
@@ -79,7 +79,7 @@ with needs_tasks():
         print(f"rank {rank} evaluates samples {list(s)}")
 
 # %% [markdown]
-# Sample 0 appears on both ranks: 6 samples counted instead of 5. Your `evaluate` (03.5) must
+# Sample 0 appears on both ranks: 6 samples counted instead of 5. Your `evaluate` (03.6) must
 # count each sample once, and then add up the ranks' counts, so that every rank reports the
 # accuracy of the *whole* test set.
 #
@@ -123,7 +123,7 @@ with needs_tasks("01.1", "01.3", "03.1", "03.2", "03.3", "03.4", "03.5", "03.6",
     print(run.stdout[-2000:], run.stderr[-2000:])
 
 # %% [markdown]
-# Now check the claim of 03.4 and 03.5 from the outside: the checkpoint loads into a plain
+# Now check the claim of 03.5 and 03.6 from the outside: the checkpoint loads into a plain
 # `ConvNet` (no `module.` prefix), and evaluated in this one process on the same 2001 samples
 # it gives exactly the count the two ranks reported together. (Ranks on a recent GPU compute
 # convolutions in TF32 by default, so there a borderline sample can tip the other way.)

@@ -74,7 +74,7 @@ def ddp_setup(args) -> tuple[int, int, torch.device]:
     return env.rank, env.world_size, device
 
 
-# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 875a2c4a]
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry e04fc3f0]
 def join_group(rank: int, world_size: int, local_rank: int, local_world_size: int,
                args) -> torch.device:
     """Join the process group as ``rank`` of ``world_size``; return this process's device.
@@ -86,17 +86,17 @@ def join_group(rank: int, world_size: int, local_rank: int, local_world_size: in
     ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
     machine and checks that every rank chose the same backend, before anyone waits.
     """
-    raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
     return device
 
 
-# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 3304742b]
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 725baa2e]
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
                        shuffle: bool = True, seed: int = 0) -> TensorLoader:
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample (when the length does not divide, a few samples repeat to even the shares;
     none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    raise NotImplementedError("Task 03.3: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 class Trainer:
@@ -129,10 +129,10 @@ class Trainer:
         """One optimization step on one batch (already on the device); returns its loss."""
         raise NotImplementedError("Task 01.1: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
-    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry ef3752b8]
+    # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry d34d2c4c]
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        raise NotImplementedError("Task 03.3: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+        raise NotImplementedError("Task 03.4: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
         self.model.train()
         losses = []
         for source, targets in cli.batches(self.train_data, limit_batches, f"epoch {epoch}",
@@ -159,7 +159,7 @@ class Trainer:
         return losses
 
 
-# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 9e31ef6a]
+# from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry a12aaf8f]
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     """``(correct, total)`` over the WHOLE dataset, the same on every rank, as ints.
@@ -168,7 +168,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    raise NotImplementedError("Task 03.5: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+    raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 # from lesson 03_ddp_spawn, unchanged: `make carry` updates it [carry 8f835573]
@@ -240,7 +240,7 @@ def main(args) -> dict:
         rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
         return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        raise NotImplementedError("Task 03.6: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
+        raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 
 
 def build_parser():

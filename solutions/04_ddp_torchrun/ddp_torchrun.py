@@ -93,7 +93,7 @@ def join_group(rank: int, world_size: int, local_rank: int, local_world_size: in
     ``preflight`` splits the CPU cores among the ``local_world_size`` processes of this
     machine and checks that every rank chose the same backend, before anyone waits.
     """
-    # BEGIN SOLUTION 03.6: copy your answer from lesson 03
+    # BEGIN SOLUTION 03.2: copy your answer from lesson 03
     on_gpus = pick_device(args.device, distributed=True).type == "cuda"
     device = gpu_for(local_rank) if on_gpus else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" and not shares_gpu() else "gloo"
@@ -110,7 +110,7 @@ def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
     """This rank's share of ``(x, y)``: the ranks' shares never overlap and together cover
     every sample (when the length does not divide, a few samples repeat to even the shares;
     none is dropped). With ``shuffle``, the order is random, the same ``seed`` on every rank."""
-    # BEGIN SOLUTION 03.2: copy your answer from lesson 03
+    # BEGIN SOLUTION 03.3: copy your answer from lesson 03
     sampler = DistributedSampler(range(len(x)), shuffle=shuffle, seed=seed)
     return TensorLoader(x, y, batch_size=batch_size, sampler=sampler)
     # END SOLUTION
@@ -161,7 +161,7 @@ class Trainer:
     # CARRIED FROM 03_ddp_spawn (generated: edit it there, then `make exercises`)
     def _run_epoch(self, epoch: int, limit_batches: int | None = None) -> float:
         """One pass over the data (at most ``limit_batches`` batches); returns the mean loss."""
-        # BEGIN SOLUTION 03.3: copy your answer from lesson 03
+        # BEGIN SOLUTION 03.4: copy your answer from lesson 03
         self.train_data.sampler.set_epoch(epoch)
         # END SOLUTION
         self.model.train()
@@ -205,7 +205,7 @@ def evaluate(model: nn.Module, loader, device: torch.device) -> tuple[int, int]:
     repeats a few samples when the dataset does not divide evenly: each sample counts once.
     The model predicts in eval mode and is left in the mode it was in.
     """
-    # BEGIN SOLUTION 03.5: copy your answer from lesson 03
+    # BEGIN SOLUTION 03.6: copy your answer from lesson 03
     was_training = model.training
     model.eval()
     sampler = loader.sampler  # positions rank, rank + N, ... of a list padded past the data
@@ -318,7 +318,7 @@ def main(args) -> dict:
         rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
         return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
     finally:
-        # BEGIN SOLUTION 03.6: copy your answer from lesson 03
+        # BEGIN SOLUTION 03.2: copy your answer from lesson 03
         dist.destroy_process_group()
         # END SOLUTION
 

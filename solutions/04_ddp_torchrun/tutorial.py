@@ -154,7 +154,7 @@ with needs_tasks():
 
 # %%
 # the whole script, every task of the lesson
-with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.4", "03.6", "04.1", "04.2", "04.3", "04.4",
                  "04.5"):
     def kill_a_worker_after_first_snapshot(proc, snapshot, timeout=600):
         """SIGKILL one worker of the torchrun agent `proc` once `snapshot` exists."""
@@ -189,7 +189,7 @@ with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2",
 # equal those of the run that never failed.
 
 # %%
-with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.4", "03.6", "04.1", "04.2", "04.3", "04.4",
                  "04.5"):
     a = torch.load(work / "clean.pt", weights_only=True, map_location="cpu")["model"]
     b = torch.load(work / "faulty.pt", weights_only=True, map_location="cpu")["model"]
@@ -230,7 +230,7 @@ with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2",
 # Here is what rank 0 wrote:
 
 # %%
-with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.5", "03.6", "04.1", "04.2", "04.3", "04.4",
+with needs_tasks("01.1", "01.3", "03.2", "03.3", "03.4", "03.6", "04.1", "04.2", "04.3", "04.4",
                  "04.5"):
     snap = torch.load(work / "faulty.pt", weights_only=True, map_location="cpu")
     for key, value in snap.items():

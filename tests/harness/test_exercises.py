@@ -408,7 +408,7 @@ def test_make_carry_puts_the_students_lesson_01_answers_into_lesson_03(tmp_path)
     assert "03_ddp_spawn/ddp_spawn.py: Trainer._run_batch" in proc.stdout, proc.stdout
     # lesson 03's own tasks are not done: lessons 04 and 06 carry them as stubs
     dataloader = _definition(tree / "04_ddp_torchrun/ddp_torchrun.py", "prepare_dataloader")
-    assert "Task 03.2: your answer from lesson 03; run `make carry`" in dataloader, dataloader
+    assert "Task 03.3: your answer from lesson 03; run `make carry`" in dataloader, dataloader
     # lesson 03's DDP test runs task 01.1's _run_batch, carried: it was skipped, now it passes
     node = "tests/l03_ddp_spawn/test_ddp_spawn.py::" \
            "test_ddp_with_batch_b_on_two_ranks_equals_one_process_with_batch_2b"

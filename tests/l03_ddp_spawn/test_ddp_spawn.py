@@ -115,7 +115,7 @@ def test_ddp_setup_passes_this_machine_s_layout_to_join_group():
     assert call["local_rank"] == rank % gpus and call["local_world_size"] == gpus, call
 
 
-# ------------------------------------------------------------------ 03.6 joining and leaving
+# ------------------------------------------------------------------ 03.2 joining and leaving
 
 
 def _join(mod, monkeypatch, local_rank=2, **flags):
@@ -134,7 +134,7 @@ def _init_backend(calls) -> str:
     return kwargs.get("backend", args[0] if args else None)
 
 
-@pytest.mark.task("03.6")
+@pytest.mark.task("03.2")
 def test_join_group_on_the_cpu_joins_with_gloo_as_this_rank(monkeypatch):
     mod = rank_fns._mod()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -153,7 +153,7 @@ def test_join_group_on_the_cpu_joins_with_gloo_as_this_rank(monkeypatch):
         f"before joining; it got {calls.get('preflight')}")
 
 
-@pytest.mark.task("03.6")
+@pytest.mark.task("03.2")
 @pytest.mark.parametrize("share", ["0", "1"])
 def test_join_group_on_gpus_uses_gpu_local_rank(monkeypatch, share):
     mod = rank_fns._mod()
@@ -170,10 +170,10 @@ def test_join_group_on_gpus_uses_gpu_local_rank(monkeypatch, share):
         + (" (ranks sharing a GPU use gloo: NCCL refuses them)" if share == "1" else ""))
 
 
-# ------------------------------------------------------------------ 03.2 the data loader
+# ------------------------------------------------------------------ 03.3 the data loader
 
 
-@pytest.mark.task("03.2")
+@pytest.mark.task("03.3")
 @pytest.mark.timeout(90)
 def test_each_rank_gets_its_own_shuffled_share():
     n = 40
@@ -195,7 +195,7 @@ def test_each_rank_gets_its_own_shuffled_share():
         f"never seen: leave drop_last off, so the sampler pads the last share instead")
 
 
-@pytest.mark.task("03.2")
+@pytest.mark.task("03.3")
 @pytest.mark.timeout(90)
 def test_without_shuffle_the_shares_are_in_order_and_the_seed_counts():
     n = 10
@@ -207,10 +207,10 @@ def test_without_shuffle_the_shares_are_in_order_and_the_seed_counts():
     assert a[0][0] != b[0][0], "the seed is ignored"
 
 
-# ------------------------------------------------------------------ 03.3 set_epoch
+# ------------------------------------------------------------------ 03.4 set_epoch
 
 
-@pytest.mark.task("03.3")
+@pytest.mark.task("03.4")
 @pytest.mark.timeout(120)
 def test_every_epoch_has_its_own_order_the_same_on_every_rank():
     results = run_distributed(rank_fns.trainer_sampler_passes, WS, args=(0, 3), timeout=100)
@@ -242,7 +242,7 @@ def test_every_epoch_has_its_own_order_the_same_on_every_rank():
         assert not set(a) & set(b), f"epoch {e}: the ranks' shares overlap"
 
 
-@pytest.mark.task("03.3")
+@pytest.mark.task("03.4")
 @pytest.mark.timeout(120)
 def test_a_resumed_trainer_replays_the_missing_epochs_orders():
     results = run_distributed(rank_fns.trainer_sampler_passes, WS, args=(2, 4), timeout=100)
@@ -251,7 +251,7 @@ def test_a_resumed_trainer_replays_the_missing_epochs_orders():
             "a run resumed at epoch 2 must train epochs 2 and 3, with their data order")
 
 
-@pytest.mark.task("03.3")  # the epoch loop is given code, but task 03.3 opens it
+@pytest.mark.task("03.4")  # the epoch loop is given code, but task 03.4 opens it
 @pytest.mark.timeout(60)
 def test_the_progress_flag_reaches_the_epoch_loop(monkeypatch):
     mod = rank_fns._mod()
@@ -271,7 +271,7 @@ def test_the_progress_flag_reaches_the_epoch_loop(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean(tmp_path, capsys):
-    # Trainer.train is given code: stand-ins for the epoch (03.3) and the save (03.4)
+    # Trainer.train is given code: stand-ins for the epoch (03.4) and the save (03.5)
     mod = rank_fns._mod()
     model = ConvNet()
     saved = []
@@ -301,7 +301,7 @@ def test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean(tmp_pa
 @pytest.mark.parametrize("rank", [0, 1])
 def test_only_rank_0_prints_the_resume_and_epoch_lines(rank, monkeypatch, capsys):
     # Trainer.__init__ and train are given code: stand-ins for load_checkpoint (01.3), the
-    # epoch (03.3) and the save (03.4); this process, a world of one, plays `rank`
+    # epoch (03.4) and the save (03.5); this process, a world of one, plays `rank`
     mod = rank_fns._mod()
     monkeypatch.setattr(mod, "load_checkpoint", lambda *args, **kwargs: {"epoch": 1})
     monkeypatch.setattr(dpt_dist, "get_rank", lambda: rank)  # what rank0_print asks
@@ -335,10 +335,10 @@ def test_resuming_from_a_missing_checkpoint_is_an_error(tmp_path, monkeypatch):
                                             tmp_path / "missing.pt")
 
 
-# ------------------------------------------------------------------ 03.4 rank 0 checkpoints
+# ------------------------------------------------------------------ 03.5 rank 0 checkpoints
 
 
-@pytest.mark.task("03.4")
+@pytest.mark.task("03.5")
 @pytest.mark.timeout(180)
 def test_only_rank0_saves_without_module_prefix_and_everyone_waits(tmp_path):
     results = run_distributed(rank_fns.save_on_ranks, WS, args=(str(tmp_path),), timeout=100)
@@ -369,10 +369,10 @@ def test_only_rank0_saves_without_module_prefix_and_everyone_waits(tmp_path):
                 f"rank {rank}: the resumed optimizer's momentum is not the checkpoint's"))
 
 
-# ------------------------------------------------------------------ 03.5 evaluation
+# ------------------------------------------------------------------ 03.6 evaluation
 
 
-@pytest.mark.task("03.5")
+@pytest.mark.task("03.6")
 @pytest.mark.timeout(90)
 def test_accuracy_counts_the_whole_test_set_once():
     # odd: DistributedSampler pads rank 1's share with a repeat of sample 0; and above 2048,
@@ -411,7 +411,7 @@ def test_accuracy_counts_the_whole_test_set_once():
             "mode it was in (model.train(was_training)), not model.train()")
 
 
-@pytest.mark.task("03.5")
+@pytest.mark.task("03.6")
 @pytest.mark.timeout(60)
 def test_evaluate_returns_the_counts_as_python_ints():
     mod = rank_fns._mod()
@@ -537,7 +537,7 @@ def test_every_rank_normalizes_with_rank_0_s_batch_norm_statistics():
             "statistics and evaluates a model other than the one rank 0 saves"))
 
 
-@pytest.mark.task("03.6")
+@pytest.mark.task("03.2")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
 def test_each_process_leaves_the_group_when_main_ends(fail):

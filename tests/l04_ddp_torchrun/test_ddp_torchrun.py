@@ -288,7 +288,7 @@ def test_without_a_snapshot_the_trainer_starts_at_epoch_0_and_honours_limit_batc
 
 @pytest.mark.timeout(150)
 def test_each_epoch_trains_in_training_mode_on_the_device_and_keeps_every_loss(fresh):
-    """Given code around task 03.3's line: the loop of _run_epoch (carried from lesson 03)."""
+    """Given code around task 03.4's line: the loop of _run_epoch (carried from lesson 03)."""
     for rank, res in enumerate(fresh):
         assert res["error"] is None, f"rank {rank}: the Trainer failed: {res['error']}"
         assert res["modes"] and all(res["modes"]), (
