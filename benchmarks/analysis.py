@@ -27,30 +27,10 @@ from __future__ import annotations
 import math
 import statistics
 
+from dpt.stats import mean_ci, t975  # noqa: F401 - the intervals, kept once in dpt
+
 BUSY = "unreliable: machine busy"
 CONTROL = "independent"
-
-# Two-sided 95% Student t quantiles, by degrees of freedom (for n rounds, df = n - 1).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
-
-
-def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (table, conservative)."""
-    if df < 1:
-        raise ValueError("a t-interval needs at least 2 samples")
-    if df > 30:
-        return 1.96 + 2.4 / df  # within 0.01 of the exact quantile above 30
-    return _T975[min(k for k in _T975 if k >= df)]
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float | None, float | None]:
-    """Mean and 95% t-interval of ``xs``; (mean, None, None) from a single value."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, None, None
-    half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, m - half, m + half
 
 
 def ratio_ci(num: list[float], den: list[float]) -> dict:

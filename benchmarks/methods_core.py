@@ -18,7 +18,7 @@ import itertools
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.registry import BenchContext, method, optimizer_step
+from benchmarks.registry import BenchContext, ddp_steps, method, optimizer_step
 
 
 def _real_batches(ctx: BenchContext, fast: bool):
@@ -75,11 +75,4 @@ def no_forward_buffer_sync() -> dict:
 def ddp_no_buffer_broadcast(ctx: BenchContext):
     model = ctx.model().to(ctx.device)
     ddp = DDP(model, **no_forward_buffer_sync())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    batch = ctx.batch()
-
-    def compute_only() -> float:
-        with ddp.no_sync():
-            return optimizer_step(ddp, opt, batch)
-
-    return lambda: optimizer_step(ddp, opt, batch), {"compute_step": compute_only}
+    return ddp_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), ctx.batch())

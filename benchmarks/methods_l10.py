@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.registry import BenchContext, method, optimizer_step
+from benchmarks.registry import BenchContext, ddp_steps, method
 
 POWERSGD = {"rank": 2, "start_iter": 2, "error_feedback": True}  # compressed from step 2 on
 
@@ -29,17 +29,7 @@ def _ddp(ctx: BenchContext):
 
 
 def _timed(ctx: BenchContext, ddp):
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    batch = ctx.batch()
-
-    def step() -> float:
-        return optimizer_step(ddp, opt, batch)
-
-    def compute_only() -> float:
-        with ddp.no_sync():
-            return step()
-
-    return step, {"compute_step": compute_only}
+    return ddp_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), ctx.batch())
 
 
 @method("ddp_compiled", "lesson 10: torch DDP around torch.compile(model) (inductor); the "

@@ -102,6 +102,17 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     return loss.item()
 
 
+def ddp_steps(ddp, optimizer: torch.optim.Optimizer, batch) -> tuple[Callable, dict]:
+    """What a method built on a DDP-like model returns: its :func:`optimizer_step`, and the
+    same step under ``ddp.no_sync()`` as ``compute_step`` (no gradient communication)."""
+
+    def compute_only() -> float:
+        with ddp.no_sync():
+            return optimizer_step(ddp, optimizer, batch)
+
+    return lambda: optimizer_step(ddp, optimizer, batch), {"compute_step": compute_only}
+
+
 @dataclass
 class Method:
     name: str

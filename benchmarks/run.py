@@ -393,7 +393,7 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
             if importlib.util.find_spec("lightning_fabric") is None:
                 return "needs Lightning (pip install pytorch-lightning)"
         if r == "compiler":  # torch.compile's inductor backend for the ranks' device
-            from compile_ddp import compiler_problem
+            from dpt.device import compiler_problem
 
             problem = compiler_problem(device)
             if problem:

@@ -9,9 +9,10 @@
 - ``dpt.checkpoint``: atomic save and careful load.
 - ``dpt.precision``: the ``--precision`` flag, and the autocast dtype each device gets.
 - ``dpt.ranks``: run a function on N ranks with a hard timeout (tests, notebooks, benchmarks).
+- ``dpt.stats``: means with their 95% t-intervals (benchmarks, lesson measurements).
 """
 
-__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks"]
+__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks", "stats"]
 
 import importlib.util as _util
 import sys as _sys

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 
 import torch
 
@@ -111,3 +113,27 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+@functools.cache
+def compiler_problem(device_type: str = "cpu") -> str | None:
+    """One line saying why ``torch.compile``'s inductor cannot compile for ``device_type``
+    here, or None.
+
+    Cheap checks only (nothing is compiled): dynamo itself, then what inductor's code
+    generator needs: a C++ compiler for the CPU, Triton for a GPU.
+    """
+    from torch._dynamo.eval_frame import is_dynamo_supported
+
+    if not is_dynamo_supported():
+        return "torch.compile is not supported on this Python or platform"
+    if torch.device(device_type).type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor needs Triton for CUDA code and this machine has none"
+        return None
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(shutil.which(c) for c in compilers if c):
+        return "inductor needs a C++ compiler (g++ or clang++) for CPU code and none is on PATH"
+    return None

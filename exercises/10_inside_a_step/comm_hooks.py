@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dpt import stats
 from dpt.device import synchronize
 from dpt.dist import rank_device
 
@@ -278,18 +279,10 @@ def train_worker(rank: int, world_size: int, hook: str = "none", seed: int = 0,
 
 # --- given: the CLI --------------------------------------------------------------------------------
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262}  # two-sided 95% Student t quantiles by degrees of freedom
-
-
 def mean_ci(values: list[float]) -> dict:
     """Mean and 95% t-interval over seeds (``lo``/``hi`` None from a single seed)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return {"mean": mean, "lo": None, "hi": None, "values": values}
-    df = len(values) - 1
-    half = (T975.get(df) or 1.96 + 2.4 / df) * statistics.stdev(values) / math.sqrt(len(values))
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "values": values}
+    mean, lo, hi = stats.mean_ci(values)
+    return {"mean": mean, "lo": lo, "hi": hi, "values": values}
 
 
 def summarize(results: dict[str, list[list[dict]]]) -> list[dict]:

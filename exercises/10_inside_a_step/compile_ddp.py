@@ -43,9 +43,7 @@ __import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
 
 import argparse
 import copy
-import functools
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -57,6 +55,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dpt.device import compiler_problem, synchronize
 from dpt.dist import rank_device
 
 MiB = 1024 * 1024
@@ -76,29 +75,6 @@ class LayerStack(nn.Module):
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x
-
-
-@functools.cache
-def compiler_problem(device_type: str = "cpu") -> str | None:
-    """One line saying why inductor cannot compile for ``device_type`` here, or None.
-
-    Cheap checks only (nothing is compiled): dynamo itself, then inductor's code generator's
-    needs: a C++ compiler for the CPU, Triton for a GPU.
-    """
-    from torch._dynamo.eval_frame import is_dynamo_supported
-
-    if not is_dynamo_supported():
-        return "torch.compile is not supported on this Python or platform"
-    if device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return "inductor needs Triton for CUDA code and this machine has none"
-        return None
-    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    if not any(shutil.which(c) for c in compilers if c):
-        return "inductor needs a C++ compiler (g++ or clang++) for CPU code and none is on PATH"
-    return None
 
 
 def pick_backend(name: str, device_type: str = "cpu") -> str:
@@ -291,11 +267,10 @@ def other_order(bucket_cap_mb: float | None = None, steps: int = 2, as_container
 
 def time_steps(model: nn.Module, steps: int, device) -> float:
     """Seconds per step of ``steps`` training steps (after the caller's warm-up)."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    sync()
+    synchronize(device)
     start = time.perf_counter()
     train(model, steps, device)
-    sync()
+    synchronize(device)
     return (time.perf_counter() - start) / steps
 
 

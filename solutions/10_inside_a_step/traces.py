@@ -301,6 +301,7 @@ def trace_method(method: str, rank: int, out: Path, warmup: int = 2, timed: int 
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
+    from dpt.device import synchronize
     from dpt.dist import rank_device
     from dpt.models import TinyTransformer, token_batch
 
@@ -312,24 +313,20 @@ def trace_method(method: str, rank: int, out: Path, warmup: int = 2, timed: int 
     inputs, targets = token_batch(batch, config["seq_len"], config["vocab"], seed=1000 + rank)
     inputs, targets = inputs.to(dev), targets.to(dev)
 
-    def wait():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     times = []
     for i in range(warmup + timed):
-        wait()
+        synchronize(dev)
         t0 = time.perf_counter()
         _one_step(model, sync, opt, inputs, targets, label=False)
-        wait()
+        synchronize(dev)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     dist.barrier()  # the ranks enter the traced step together
-    wait()
+    synchronize(dev)
     with profile(activities=activities, record_shapes=True) as prof:
         _one_step(model, sync, opt, inputs, targets, label=True)
-        wait()
+        synchronize(dev)
     path = Path(out) / f"{method}.rank{rank}.json"
     prof.export_chrome_trace(str(path))
     return {"path": str(path), "step_ms": statistics.median(times)}

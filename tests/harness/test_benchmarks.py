@@ -246,6 +246,22 @@ def test_paired_ratio_interval_matches_a_hand_computed_t_interval():
     assert ci["n"] == 3 and ci["lo"] < ci["value"] < ci["hi"]
 
 
+def test_mean_interval_is_a_t_interval_and_conservative_between_rows_of_the_table():
+    from dpt.stats import mean_ci, t975
+
+    m, lo, hi = mean_ci([1.0, 2.0, 3.0])  # mean 2, sd 1, 2 df: t = 4.303
+    assert m == pytest.approx(2.0)
+    assert (lo, hi) == (pytest.approx(2.0 - 4.303 / math.sqrt(3)),
+                        pytest.approx(2.0 + 4.303 / math.sqrt(3)))
+    assert mean_ci([5.0]) == (5.0, None, None)  # no interval from one value
+    # 11 df lies between the table's rows 10 (2.228) and 12 (2.179); the exact quantile is
+    # 2.201: the interval must not be narrower than that, so the row of 10 df is used
+    assert t975(11) == pytest.approx(2.228) and t975(11) >= 2.201
+    assert t975(40) == pytest.approx(2.021, abs=0.01)  # exact: 2.021
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        t975(0)
+
+
 def test_pairing_cancels_a_drift_that_hits_both_sides_of_a_round():
     # The machine slows down 2x between rounds; within each round the speedup is exactly 1.9.
     one, two = [100.0, 50.0, 25.0], [190.0, 95.0, 47.5]

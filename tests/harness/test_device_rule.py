@@ -281,3 +281,27 @@ def test_a_node_without_a_gpu_among_gpu_nodes_is_one_error_on_every_rank(no_shar
         assert "\n" not in error and "rank 1 runs on the CPU" in error, error
         assert "rank 0 uses NCCL" in error and "--device cpu" in error, error
         assert not r["joined"] and r["seconds"] < 20, r
+
+
+def test_without_a_cpp_compiler_inductor_is_refused_in_one_line_and_the_benchmark_skips(
+        monkeypatch, tmp_path):
+    from benchmarks.run import unmet_requirement
+
+    dpt.device.compiler_problem.cache_clear()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, c++ or clang++
+    monkeypatch.setenv("DPT_TEST_BACKEND", "gloo")  # the ranks' device: the CPU
+    try:
+        problem = dpt.device.compiler_problem("cpu")
+        assert problem is not None and "C++ compiler" in problem and "\n" not in problem
+        assert unmet_requirement(("compiler",), 1) == problem
+        fake = tmp_path / "g++"
+        fake.write_text("#!/bin/sh\n")
+        fake.chmod(0o755)
+        dpt.device.compiler_problem.cache_clear()
+        if dpt.device.compiler_problem("cpu") is not None:  # only dynamo itself is missing
+            assert "not supported" in dpt.device.compiler_problem("cpu")
+        else:
+            assert unmet_requirement(("compiler",), 1) is None
+    finally:
+        dpt.device.compiler_problem.cache_clear()
