@@ -113,6 +113,16 @@ def last_stack(text: str, rank: int) -> str:
     return "\n".join([f"rank {rank}'s stack, the last of {len(dumps)} dumps:", *lines[:cut]])
 
 
+def leave_after_every_rank_joined(store: dist.TCPStore, world_size: int, wait_s: float) -> None:
+    """Rank 0 serves the store the others read while they join the group: if it left at once
+    (a case that fails before its first collective), a slow peer would die of "connection
+    reset" inside ``init_process_group`` and the report would show that, not the case."""
+    try:
+        store.wait([f"clinic/joined/{r}" for r in range(world_size)], timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 - a peer that never joins is reported by the runner
+        pass
+
+
 def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
                timeout_s: float, stack_dir: str) -> dict:
     import hang_clinic  # the lesson module, by name: the ranks run the same code as the caller
@@ -127,6 +137,7 @@ def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
                           timeout=timedelta(seconds=max(timeout_s, STARTUP_S)))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    store.set(f"clinic/joined/{rank}", "1")  # see leave_after_every_rank_joined
     stack_path = Path(stack_dir) / f"rank{rank}.txt"
     stack_file = open(stack_path, "w")  # noqa: SIM115 - closed below, after the dump
     if tool == "stacks":  # the last dump before the collective gives up shows where it waits
@@ -143,6 +154,12 @@ def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
         stack_file.close()
     out = {"rank": rank, "pid": os.getpid(), "result": result, "error": error,
            "seconds": time.monotonic() - start}
+    if rank == 0:
+        leave_after_every_rank_joined(store, world_size, max(timeout_s, STARTUP_S))
+    # Kept on disk too: if another rank dies after this one has returned, the runner still
+    # reports what this one did (and a stub's NotImplementedError still names its task).
+    (Path(stack_dir) / f"rank{rank}.outcome").write_text(
+        f"{out['seconds']:.1f}\n{error or ''}")
     if tool == "flight":
         out["flight"] = flight_text(rank)
     if tool == "stacks":
@@ -190,12 +207,16 @@ def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: 
                                    args=(case, fixed, tool, timeout_s, stack_dir),
                                    backend=None, timeout=wall, env=env, echo=False)
         except RankFailure as e:  # a rank crashed (gloo aborts on some mismatches) or hung
-            text = f"{head}\na rank did not return:\n{e}"
+            returned = returned_before(stack_dir, world_size)
+            raise_if_stub(error for _, error in returned.values())
+            lines = [head, "a rank did not return:", str(e)]
+            for rank, (seconds, error) in returned.items():
+                lines.append(f"--- rank {rank} had returned: "
+                             f"{'FAILED' if error else 'finished'} after {seconds} s ---")
+                lines += [error] if error else []
             return Report(case, fixed, tool, world_size, False, [None] * world_size, [],
-                          text, time.monotonic() - start)
-    for o in outs:  # a task not done yet: say so here, as a call of the stub would
-        if (o["error"] or "").startswith("NotImplementedError: Task "):
-            raise NotImplementedError(o["error"].removeprefix("NotImplementedError: "))
+                          "\n".join(lines), time.monotonic() - start)
+    raise_if_stub(o["error"] for o in outs)
     lines = [head]
     for o in outs:
         status = "finished" if o["error"] is None else "FAILED"
@@ -209,6 +230,24 @@ def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: 
     results = [o["result"] if o["error"] is None else None for o in outs]
     return Report(case, fixed, tool, world_size, finished, results,
                   [o["pid"] for o in outs], "\n".join(lines), time.monotonic() - start)
+
+
+def returned_before(stack_dir: str, world_size: int) -> dict[int, tuple[str, str]]:
+    """The ranks that had returned when the run failed: rank -> (seconds, error or "")."""
+    found = {}
+    for rank in range(world_size):
+        path = Path(stack_dir) / f"rank{rank}.outcome"
+        if path.exists():
+            seconds, _, error = path.read_text().partition("\n")
+            found[rank] = (seconds, error)
+    return found
+
+
+def raise_if_stub(errors) -> None:
+    """A task not done yet: say so here, as a call of the stub would."""
+    for error in errors:
+        if (error or "").startswith("NotImplementedError: Task "):
+            raise NotImplementedError(error.removeprefix("NotImplementedError: "))
 
 
 # --- comparing a diagnosis with a report -------------------------------------------------------

@@ -159,6 +159,116 @@ def test_cli_runs_a_case_and_prints_its_report():
         assert re.search(r"rank 1 collective #\d+: all_reduce", proc.stdout), proc.stdout
 
 
+FAKE_CLINIC = """
+import os, time
+from pathlib import Path
+
+import torch.distributed as dist
+
+MARK, LATE, SEEN = Path({mark!r}), Path({late!r}), Path({seen!r})
+NO_DETAIL = set()
+
+
+def gone(pid):
+    try:
+        state = Path(f"/proc/{{pid}}/status").read_text().split("State:")[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
+def rank1_dies_after_rank0_returned(error):
+    def case(rank, world_size):
+        if rank == 0:
+            MARK.write_text(str(os.getpid()))
+            raise error
+        while not MARK.exists():
+            time.sleep(0.01)
+        while not gone(int(MARK.read_text())):  # rank 0 has returned, and left
+            time.sleep(0.01)
+        os._exit(3)  # as a rank does when the store it waits on went away with rank 0
+    return case
+
+
+def rank0_fails_at_once(rank, world_size):
+    if rank == 0:
+        MARK.write_text(str(os.getpid()))
+        raise ValueError("rank 0 fails before its first collective")
+
+
+_init = dist.init_process_group
+
+
+def late_init(*args, **kwargs):  # rank 1 is still joining when rank 0 has failed
+    _init(*args, **kwargs)
+    if LATE.exists() and dist.get_rank() == 1:
+        while not MARK.exists():
+            time.sleep(0.01)
+        time.sleep(1.0)
+        SEEN.write_text("gone" if gone(int(MARK.read_text())) else "alive")
+
+
+dist.init_process_group = late_init
+CASES = {{
+    "stub": (None, rank1_dies_after_rank0_returned(NotImplementedError("Task 10.99: to do")), None),
+    "error": (None, rank1_dies_after_rank0_returned(ValueError("rank 0's own mistake")), None),
+    "late": (None, rank0_fails_at_once, None),
+}}
+"""
+RUN_FAKE = """
+import sys
+sys.path[:0] = [{lesson!r}, {repo!r}]
+import hang_runner
+from pathlib import Path
+
+if __name__ == "__main__":
+    try:
+        hang_runner.run_case("stub", fixed=True, timeout_s=5)
+        print("stub: no NotImplementedError")
+    except NotImplementedError as e:
+        print(f"stub: NotImplementedError: {{e}}")
+    Path({mark!r}).unlink()
+    print(hang_runner.run_case("error", fixed=True, timeout_s=5).text)
+    Path({mark!r}).unlink()
+    Path({late!r}).touch()
+    print(hang_runner.run_case("late", fixed=True, timeout_s=5).text)
+    print("rank 1 saw rank 0", Path({seen!r}).read_text())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_runner_reports_every_rank_when_one_fails_first(tmp_path):
+    """Rank 0 serves the store the others read while they join the group. When a case fails
+    on rank 0 at once (a stub raises), rank 0 must not leave before every peer has joined,
+    and when a peer dies after rank 0 returned, the report must still carry rank 0's error,
+    and a stub must still name its task (`make grade` reads the task from it)."""
+    import shutil
+
+    from tests.lessons import REPO
+
+    lesson = tmp_path / "lesson"
+    lesson.mkdir()
+    paths = {k: str(tmp_path / k) for k in ("mark", "late", "seen")}
+    shutil.copy(script(LESSON, "hang_runner.py"), lesson / "hang_runner.py")
+    (lesson / "hang_clinic.py").write_text(FAKE_CLINIC.format(**paths))
+    (tmp_path / "run.py").write_text(RUN_FAKE.format(lesson=str(lesson), repo=str(REPO),
+                                                     **paths))
+    proc = run_script(tmp_path / "run.py", timeout=80)
+    assert proc.returncode == 0, proc.stderr
+    assert "stub: NotImplementedError: Task 10.99: to do" in proc.stdout, (
+        f"the stub's NotImplementedError was lost when rank 1 died after rank 0 returned:\n"
+        f"{proc.stdout}")
+    assert "rank 1 of 2 died with exit code 3" in proc.stdout, proc.stdout
+    assert re.search(r"rank 0 had returned: FAILED after [\d.]+ s ---\n"
+                     r"ValueError: rank 0's own mistake", proc.stdout), (
+        f"the report leaves out the error of rank 0, which returned first:\n{proc.stdout}")
+    assert "rank 1 saw rank 0 alive" in proc.stdout, (
+        "rank 0 left while rank 1 was still joining the group: a slow peer then dies of "
+        f"'connection reset' while joining, and the report shows that, not the case\n"
+        f"{proc.stdout}")
+    assert "ValueError: rank 0 fails before its first collective" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--case", "order", "--ranks", "1"], "--ranks must be at least 2"),
     (["--case", "order", "--timeout", "0"], "--timeout must be positive"),
