@@ -154,12 +154,12 @@ def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
         stack_file.close()
     out = {"rank": rank, "pid": os.getpid(), "result": result, "error": error,
            "seconds": time.monotonic() - start}
-    if rank == 0:
-        leave_after_every_rank_joined(store, world_size, max(timeout_s, STARTUP_S))
     # Kept on disk too: if another rank dies after this one has returned, the runner still
     # reports what this one did (and a stub's NotImplementedError still names its task).
     (Path(stack_dir) / f"rank{rank}.outcome").write_text(
         f"{out['seconds']:.1f}\n{error or ''}")
+    if rank == 0:
+        leave_after_every_rank_joined(store, world_size, max(timeout_s, STARTUP_S))
     if tool == "flight":
         out["flight"] = flight_text(rank)
     if tool == "stacks":

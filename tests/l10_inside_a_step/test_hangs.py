@@ -16,6 +16,7 @@ Nothing here measures speed.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers import run_script
-from tests.lessons import load, script
+from tests.lessons import REPO, load, script
 
 LESSON = "10_inside_a_step"
 BROKEN_TIMEOUT, FIXED_TIMEOUT = 3.0, 10.0
@@ -242,10 +243,6 @@ def test_runner_reports_every_rank_when_one_fails_first(tmp_path):
     on rank 0 at once (a stub raises), rank 0 must not leave before every peer has joined,
     and when a peer dies after rank 0 returned, the report must still carry rank 0's error,
     and a stub must still name its task (`make grade` reads the task from it)."""
-    import shutil
-
-    from tests.lessons import REPO
-
     lesson = tmp_path / "lesson"
     lesson.mkdir()
     paths = {k: str(tmp_path / k) for k in ("mark", "late", "seen")}
