@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from dpt.stats import mean_ci, t975  # noqa: F401 - the intervals, kept once in dpt
+from dpt.stats import mean_ci, positive_ci, t975  # noqa: F401 - the intervals, kept once in dpt
 
 BUSY = "unreliable: machine busy"
 CONTROL = "independent"
@@ -41,11 +41,9 @@ def ratio_ci(num: list[float], den: list[float]) -> dict:
     """
     if len(num) != len(den) or not num:
         raise ValueError("a paired ratio needs the same number (at least one) of each")
-    logs = [math.log(a / b) for a, b in zip(num, den)]
-    m, lo, hi = mean_ci(logs)
-    return {"value": math.exp(m), "lo": None if lo is None else math.exp(lo),
-            "hi": None if hi is None else math.exp(hi), "n": len(logs),
-            "ratios": [a / b for a, b in zip(num, den)]}
+    ratios = [a / b for a, b in zip(num, den)]
+    value, lo, hi = positive_ci(ratios)  # a t-interval on the logs: never below zero
+    return {"value": value, "lo": lo, "hi": hi, "n": len(ratios), "ratios": ratios}
 
 
 def fmt_ci(value, lo, hi, fmt: str = ".2f") -> str:

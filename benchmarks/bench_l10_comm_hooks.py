@@ -11,7 +11,8 @@ configuration and seed, fresh processes (``comm_hooks.train_worker``):
   (payload; a ring all-reduce puts ``2 (N - 1) / N`` times that on each link), beside
   ``comm_hooks.predicted_bytes``; the same for every seed;
 - **step time**: each rank's median step (forward, backward with the hook, optimizer step),
-  the slower rank per seed, then mean and 95% t-interval over seeds;
+  the slower rank per seed, then the geometric mean and a 95% t-interval on the log times
+  over seeds (never below zero);
 - **test accuracy** after the epochs, mean and 95% t-interval over seeds (seed: the model's
   initialisation and the data order).
 
@@ -50,6 +51,14 @@ def run(configs, seeds: int, epochs: float, nproc: int, timeout: float) -> dict:
     return ch.run_hooks(configs, seeds, epochs, nproc, timeout, backend="gloo", rotate=True)
 
 
+def ranks_label(nproc: int) -> str:
+    """Where :func:`run`'s gloo ranks compute, in the words of the record and the figure: the
+    CPU, or the GPUs they share under ``DPT_SHARE_GPU=1`` (``dpt.ranks.placement``)."""
+    from dpt.ranks import placement
+
+    return placement(nproc, "gloo").label
+
+
 def compact(raw: dict) -> dict:
     """Per configuration and seed: what the table is made of, each rank's step time."""
     return {label: [{"seed": ranks[0]["seed"], "steps": ranks[0]["steps"],
@@ -86,7 +95,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                 zip(means, rows)]]
         ax.bar(x, means, yerr=err, capsize=4, color="tab:orange" if key == "step_ms"
                else "tab:green")
-        ax.set_ylabel(f"{unit} (mean, 95% CI over seeds)")
+        center = "geometric mean" if key == "step_ms" else "mean"
+        ax.set_ylabel(f"{unit} ({center}, 95% CI over seeds)")
         if key == "accuracy":
             lo = min(r[key]["lo"] if r[key]["lo"] is not None else r[key]["mean"] for r in rows)
             ax.set_ylim(max(0.0, lo - 3), 100)
@@ -130,18 +140,20 @@ def main(argv=None) -> int:
     result = {
         "model": "dpt.models.MLP (101,770 parameters)", "dataset": "fashion-mnist",
         "optimizer": "SGD lr 0.05 momentum 0.9", "batch_per_rank": 64, "epochs": args.epochs,
-        "nproc": args.nproc, "backend": "gloo (CPU)", "threads_per_rank": 1,
+        "nproc": args.nproc, "backend": ranks_label(args.nproc), "threads_per_rank": 1,
         "torch": torch.__version__, "seeds": args.seeds,
         "how": "bytes: comm_hooks.AllReduceCounter around each step (payload of every "
                "dist.all_reduce one rank makes; 'none' counted through torch's allreduce_hook, "
                "the same buckets); step time: median step per rank, slower rank per seed; "
-               "accuracy: the full test split; intervals: 95% t over seeds",
+               "accuracy: the full test split; intervals: 95% t over seeds (step time: "
+               "geometric mean, the interval on log times)",
         "load_average_before_after": [load_before, os.getloadavg()],
         "rows": rows, "runs": compact(raw), "seconds": time.perf_counter() - t0}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "l10_comm_hooks.json").write_text(json.dumps(result, indent=2))
     plot(rows, OUT / "l10_comm_hooks.png",
-         f"DDP communication hooks: MLP on Fashion-MNIST, {args.nproc} gloo ranks, "
+         f"DDP communication hooks: MLP on Fashion-MNIST, {args.nproc} ranks "
+         f"({ranks_label(args.nproc)}), "
          f"{args.epochs:g} epoch(s), {args.seeds} seeds (torch {torch.__version__})")
     print()
     print(ch.format_rows(rows))

@@ -21,7 +21,8 @@ final loss. ``timers`` lets a method report, per step, seconds spent in communic
 (key ``"comm"``); the harness resets it before each timed step. Return
 ``(step, {"timers": timers})``, or ``(step, {"compute_step": fn})`` where ``fn`` does the same
 step without communication (``ddp.no_sync()``): the harness times both, and the difference is
-communication plus waiting.
+communication plus waiting. ``{"notes": [...]}`` adds lines to the record (a dtype the
+method chose for this device, say).
 
 A method must not fake work it does not do: ``requires`` says when it cannot run
 ("cuda", "cuda>=2", "apex", "compiler"), and the harness records it as skipped with that reason.

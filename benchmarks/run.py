@@ -237,6 +237,8 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
            "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
            "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores}
+    if extras.get("notes"):  # what the method says about this run (a dtype it chose, ...)
+        out["notes"] = list(extras["notes"])
     if comm_times:
         out["comm_s"] = statistics.median(comm_times)
     if compute_times:
@@ -442,6 +444,7 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     repeat (``step_times``), the throughput, memory, loss and ``load`` (see
     ``analysis.machine_load``) over this launch.
     """
+    from dpt.errors import one_line
     from dpt.ranks import RankFailure, run_distributed
 
     m = methods[name]
@@ -457,7 +460,7 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     except RankFailure as exc:
         text = str(exc)
         out.update(status="timeout" if "timed out" in text or "hung" in text else "failed",
-                   error=text.strip().splitlines()[-1][:300], detail=text[-2000:])
+                   error=one_line(exc)[:300], detail=text[-2000:])
         return out
     except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be unpickled
         out.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:300])

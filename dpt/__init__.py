@@ -10,9 +10,11 @@
 - ``dpt.precision``: the ``--precision`` flag, and the autocast dtype each device gets.
 - ``dpt.ranks``: run a function on N ranks with a hard timeout (tests, notebooks, benchmarks).
 - ``dpt.stats``: means with their 95% t-intervals (benchmarks, lesson measurements).
+- ``dpt.timing``: clocks that time collectives where they run (CUDA events on a GPU).
 """
 
-__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks", "stats"]
+__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks", "stats",
+           "timing"]
 
 import importlib.util as _util
 import sys as _sys

@@ -37,8 +37,10 @@ from dpt.data import (
 )
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device, shares_gpu
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
+from dpt.errors import report_error
 from dpt.models import MODELS, build_model
 from dpt.precision import check_request
+from dpt.ranks import RankFailure
 
 __all__ = ["LaunchError", "batches", "describe", "main", "parser", "timed", "train_and_evaluate",
            "validate", "with_free_port"]
@@ -131,6 +133,8 @@ def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser
         args = p.parse_args(argv)
         validate(args)
         run(args)
+    except RankFailure as exc:  # ranks of dpt.ranks.run_distributed (lesson 06's amp_inspect)
+        return report_error(exc)
     except (*EXPECTED, dist.DistError) as exc:
         print(f"error: {error_line(exc)}", file=sys.stderr, flush=True)
         return 2
@@ -143,11 +147,16 @@ def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser
 # ------------------------------------------------------------------ around the Trainer
 
 
-def batches(loader, limit: int | None, desc: str, show: bool) -> Iterable:
+def batches(loader, limit: int | None, desc: str, show: bool,
+            every_rank: bool = False) -> Iterable:
     """The batches of one epoch: the first ``limit`` (``--limit-batches``), or all of them,
-    behind a progress bar when ``show``."""
+    behind a progress bar when ``show``. In a process group only rank 0 draws it (one bar per
+    job: the ranks share a terminal, and their bars would overwrite each other on one line),
+    unless ``every_rank``."""
     steps = len(loader) if limit is None else min(limit, len(loader))
-    return tqdm(islice(loader, steps), total=steps, leave=False, desc=desc, disable=not show)
+    mine = every_rank or not dist.is_initialized() or dist.get_rank() == 0
+    return tqdm(islice(loader, steps), total=steps, leave=False, desc=desc,
+                disable=not (show and mine))
 
 
 def describe(args: argparse.Namespace, device: torch.device) -> str:

@@ -186,10 +186,11 @@ def needs_gpus(n: int) -> None:
 
 
 def ranks_device(n: int, *, share: bool = True) -> str:
-    """Where ``n`` ranks started from a notebook compute: ``"cuda"`` or ``"cpu"``.
+    """The ``--device`` for a script a notebook starts with ``n`` ranks: ``"cuda"`` or ``"cpu"``.
 
-    The GPUs when there is one per rank (NCCL), as ``run_distributed(backend="auto")``
-    decides; ``DPT_TEST_BACKEND=gloo`` keeps the ranks on the CPU. With ``DPT_SHARE_GPU=1``
+    The GPUs when there is one per rank (NCCL); ``DPT_TEST_BACKEND=gloo`` keeps the ranks on
+    the CPU. (Ranks started by ``run_distributed(backend="auto")`` share too few GPUs on their
+    own: ``dpt.ranks.placement`` says where those compute.) With ``DPT_SHARE_GPU=1``
     the ranks share the GPUs (gloo), when ``share`` allows it: Lightning and Fabric put NCCL
     on CUDA, which refuses two ranks on one GPU, so pass ``share=False`` for them.
     Otherwise the CPU, with gloo.
@@ -240,7 +241,8 @@ def _task_names(tasks: tuple[str, ...]) -> list[str]:
 
 
 @contextlib.contextmanager
-def needs_tasks(*tasks: str):
+def needs_tasks(*tasks: str, earlier: tuple[str, ...] = (), reference: str | None = None,
+                show=None):
     """Run a block of a notebook cell; when it reaches a task not done yet, say which one and
     move on.
 
@@ -255,9 +257,22 @@ def needs_tasks(*tasks: str):
     KeyError, IndexError or FileNotFoundError after any skip. Before any skip those errors are
     raised as usual. A block that runs to the end marks its tasks done again, so a cell re-run
     after you solved the task starts afresh.
+
+    ``earlier=("08.1",)`` names the tasks of earlier lessons the block runs (lesson 09's table
+    calls lesson 08's ``predict_bytes``). When one of them is not done, the block shows
+    ``reference`` instead, a file of the course's reference run in
+    ``benchmarks/reference/lessons/``, after one line saying so: an image is displayed, a
+    ``.json`` or ``.txt`` printed, or ``show(path)`` does it. Without ``reference`` the block
+    is skipped, naming the task, as for the lesson's own.
     """
     wanted = _task_names(tasks)
+    before = _task_names((earlier,) if isinstance(earlier, str) else tuple(earlier))
+    if reference is not None and not before:
+        raise ValueError("error: needs_tasks(reference=...) is shown in place of an earlier "
+                         "lesson's task: name them, earlier=(\"08.1\",)")
     record = {"tasks": wanted, "skipped": None}
+    if before:
+        record.update(earlier=before, reference=None)
     BLOCKS.append(record)
     try:
         yield
@@ -278,12 +293,39 @@ def needs_tasks(*tasks: str):
                 return
         if task is None:
             raise
-        record["skipped"] = task
         if task not in _SKIPPED:
             _SKIPPED.append(task)
+        if task in before and reference is not None:
+            record["reference"] = show_reference(task, reference, show)
+            return
+        record["skipped"] = task
         print(f"skipped: this cell needs {task}, which is not done yet. Solve it in your "
               "exercises/ folder, then re-run this cell.")
     else:
-        for task in wanted:
+        for task in wanted + before:
             while task in _SKIPPED:
                 _SKIPPED.remove(task)
+
+
+def show_reference(task: str, name: str, show=None) -> str:
+    """Show the committed reference result ``name`` in place of what ``task``, an earlier
+    lesson's task not done in this tree, would have made; one line says so. Returns the path
+    shown, from the repository root."""
+    path = BENCH_REFERENCE / name
+    if not path.is_file():
+        raise FileNotFoundError(f"the reference {name} is not in {_shown(BENCH_REFERENCE)}")
+    print(f"{task} is not done in your tree: showing the course's reference run "
+          f"({_shown(path)})")
+    if show is not None:
+        show(path)
+    elif path.suffix in (".png", ".jpg", ".svg"):
+        from IPython.display import SVG, Image, display
+
+        display(SVG(filename=str(path)) if path.suffix == ".svg" else Image(filename=str(path)))
+    elif path.suffix == ".json":
+        import json
+
+        print(json.dumps(json.loads(path.read_text()), indent=1))
+    else:
+        print(path.read_text().rstrip())
+    return str(_shown(path))

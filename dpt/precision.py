@@ -59,6 +59,45 @@ def cuda_has_native_bf16(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_properties(device).major >= 8
 
 
+def low_precision_for(device: torch.device | str | tuple[int, int]) -> str:
+    """The 16-bit format to compute in on ``device`` by the rule above, by name.
+
+    ``"fp16"`` on a CUDA GPU of compute capability below 8 (a T4, a V100: bf16 is emulated
+    there), else ``"bf16"`` (Ampere and newer; the CPU, whose autocast has no fp16 recipe).
+    ``device`` may be a compute capability ``(major, minor)`` instead, for a caller that
+    has read it without a device (``nvidia-smi``). :data:`DTYPES` turns the name into the
+    dtype.
+    """
+    if isinstance(device, tuple):
+        major = int(device[0])
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "bf16"
+        major = torch.cuda.get_device_properties(device).major
+    return "bf16" if major >= 8 else "fp16"
+
+
+def compute_format(requested: str, device: torch.device | str) -> tuple[str, str | None]:
+    """A ``--dtype`` (fp32, bf16, fp16 or auto) for ranks computing on ``device``: the name to
+    compute in, and one line to show (None when there is nothing to say).
+
+    ``auto`` is :func:`low_precision_for` the device, and the line says what it chose; an
+    explicit bf16 where bf16 is emulated runs as asked, and the line says so.
+    """
+    if requested not in ("fp32", "bf16", "fp16", "auto"):
+        raise PrecisionError(f"unknown dtype {requested!r}; choose one of fp32, bf16, fp16, auto")
+    device = torch.device(device)
+    best = low_precision_for(device)
+    emulated = "bf16 is emulated on this GPU (compute capability below 8)"
+    if requested == "auto":
+        why = f": {emulated}" if best == "fp16" else ""
+        return best, f"note: --dtype auto computes in {best} on {device.type}{why}"
+    if requested == "bf16" and best == "fp16":
+        return "bf16", f"note: {emulated}, so bf16 runs slower than fp16 here"
+    return requested, None
+
+
 def auto_candidates(device: torch.device) -> list[str]:
     """What ``auto`` may pick on ``device``: the precisions it runs well, best first.
 

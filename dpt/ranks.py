@@ -5,7 +5,9 @@ processes. It promises:
 
 - a free port per call, never a fixed one, so parallel tests (``pytest -n 2``) do not collide;
 - gloo on CPU, or NCCL with one GPU per rank when the machine has enough GPUs; with
-  ``DPT_SHARE_GPU=1`` on a GPU machine, gloo with rank r on GPU ``r % device_count``;
+  ``DPT_SHARE_GPU=1`` on a GPU machine, gloo with rank r on GPU ``r % device_count``, and
+  the same (said in one line) when a GPU machine has fewer GPUs than ranks
+  (:func:`placement`);
 - one intra-op thread per rank by default, so ranks do not fight over the cores;
 - when a rank raises or dies, the others are killed at once and :class:`RankFailure` carries
   that rank's traceback and the tail of its output;
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,7 +43,31 @@ _CTX = None
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died or hung. The message holds its traceback or stack."""
+    """A rank raised, died or hung. The message holds its traceback or stack.
+
+    Where :func:`run_distributed` raises it, it also says what failed, for a one-line report
+    (``dpt.errors.one_line``): ``rank`` and ``world_size`` (``rank`` None for a timeout, whose
+    message names the ranks it waited for), ``kind`` (the exception's type name, None when the rank died or hung),
+    ``message`` (the exception's message, or what happened: "hung and was stopped"),
+    ``traceback`` (the rank's traceback, or its stack when it hung) and ``peers``: the other
+    ranks that reported a failure too, as RankFailures.
+    """
+
+    def __init__(self, text: str, *, rank: int | None = None, world_size: int | None = None,
+                 kind: str | None = None, message: str | None = None,
+                 traceback: str | None = None, peers: list[RankFailure] | None = None) -> None:
+        super().__init__(text)
+        self.rank, self.world_size, self.kind = rank, world_size, kind
+        self.message, self.traceback, self.peers = message, traceback, list(peers or [])
+
+
+def _raised(exc: BaseException) -> tuple[str, str, str]:
+    """What a rank sends when ``fn`` raised: its traceback, the exception's type and message."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a __str__ that fails must not hide the failure
+        message = ""
+    return traceback.format_exc(), type(exc).__name__, message
 
 
 def _context():
@@ -79,20 +105,67 @@ def restart_fork_server() -> bool:
     return True
 
 
-def default_backend(world_size: int) -> str:
-    """``backend="auto"``: NCCL when there is a GPU per rank, gloo otherwise.
+class Placement(NamedTuple):
+    """Where the ranks of one launch compute: ``backend``, ``device`` (``"cuda"`` or
+    ``"cpu"``), whether several ranks share a GPU, and ``label``, the words a table or a
+    figure that shows the run prints beside it."""
 
-    ``DPT_TEST_BACKEND`` (gloo or nccl) overrides it; the test suite sets gloo, so its rank
-    functions run on the CPU on every machine, and its GPU tests ask for nccl by name. With
-    ``DPT_SHARE_GPU=1`` on a GPU machine (``dpt.device.shares_gpu``) it is gloo, and each rank
-    computes on its share of the GPUs (``dpt.dist.rank_device``).
+    backend: str
+    device: str
+    shared: bool
+    label: str
+
+
+def placement(world_size: int, backend: str | None = "auto") -> Placement:
+    """Where :func:`run_distributed` puts ``world_size`` ranks started with ``backend``.
+
+    ``"auto"``: NCCL with a GPU per rank when the machine has enough GPUs; on a GPU machine
+    with fewer GPUs than ranks, gloo with rank r on GPU ``r % device_count`` (the ranks share
+    the GPUs, as with ``DPT_SHARE_GPU=1``: NCCL refuses two ranks on one GPU, and the CPU
+    would make one table mix GPU runs with CPU runs); gloo on the CPU without CUDA.
+    ``DPT_TEST_BACKEND`` (gloo or nccl) overrides ``"auto"``: the test suite sets gloo, so its
+    rank functions run on the CPU on every machine. An explicit ``"gloo"`` computes on the
+    CPU unless ``DPT_SHARE_GPU=1`` (:func:`dpt.device.shares_gpu`).
     """
-    forced = os.environ.get("DPT_TEST_BACKEND", "auto")
-    if forced not in ("", "auto"):
-        return forced
-    if shares_gpu():
-        return "gloo"
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    if backend == "auto":
+        forced = os.environ.get("DPT_TEST_BACKEND", "auto")
+        backend = forced if forced not in ("", "auto") else None
+        if backend is None:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if gpus >= world_size and not shares_gpu():
+                return Placement("nccl", "cuda", False, "nccl, a GPU per rank")
+            if gpus:
+                return Placement("gloo", "cuda", True,
+                                 f"gloo, {world_size} rank(s) sharing {gpus} GPU(s)")
+            return Placement("gloo", "cpu", False, "gloo (CPU)")
+    if backend == "nccl":
+        return Placement("nccl", "cuda", False, "nccl, a GPU per rank")
+    if backend == "gloo" and shares_gpu():
+        gpus = torch.cuda.device_count()
+        return Placement("gloo", "cuda", True,
+                         f"gloo, {world_size} rank(s) sharing {gpus} GPU(s)")
+    if backend is None:
+        return Placement("", "cpu", False, "its own process group")
+    return Placement(backend, "cpu", False, f"{backend} (CPU)")
+
+
+def default_backend(world_size: int) -> str:
+    """``backend="auto"``: NCCL when there is a GPU per rank, gloo otherwise (on the shared
+    GPUs of a GPU machine, else the CPU: :func:`placement`)."""
+    return placement(world_size).backend
+
+
+_SAID: set[tuple[int, int]] = set()
+
+
+def _say_shared(world_size: int) -> None:
+    """One line, once per process and size, when ``auto`` made ranks share the GPUs."""
+    gpus = torch.cuda.device_count()
+    if (world_size, gpus) in _SAID:
+        return
+    _SAID.add((world_size, gpus))
+    print(f"note: {world_size} ranks on {gpus} GPU(s): NCCL needs a GPU per rank, so the ranks "
+          f"share the GPUs with gloo (rank r on cuda:r % {gpus})", file=sys.stderr, flush=True)
 
 
 def rank_cuda_device(rank: int, backend: str | None) -> torch.device | None:
@@ -151,8 +224,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
         buf = io.BytesIO()
         torch.save(result, buf)
         payload = buf.getvalue()
-    except BaseException:  # noqa: BLE001 - report everything, including SystemExit
-        status, payload = "error", traceback.format_exc()
+    except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
+        status, payload = "error", _raised(exc)
     try:
         conn.send((status, payload))
     finally:
@@ -172,7 +245,7 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _other_errors(pending: dict, grace: float = 2.0) -> str:
+def _other_errors(pending: dict, world_size: int, grace: float = 2.0) -> list[RankFailure]:
     """After a first failure, give the other ranks a moment to report theirs.
 
     When one rank raises, its peers often fail too, with a connection error in a collective;
@@ -187,8 +260,10 @@ def _other_errors(pending: dict, grace: float = 2.0) -> str:
             except EOFError:
                 continue
             if status == "error":
-                found.append(f"\n--- rank {rank} also failed ---\n{payload}")
-    return "".join(found)
+                text, kind, message = payload
+                found.append(RankFailure(text, rank=rank, world_size=world_size, kind=kind,
+                                         message=message, traceback=text))
+    return found
 
 
 def _kill(procs) -> None:
@@ -211,7 +286,8 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
 
     Returns the ranks' return values, in rank order. ``backend=None`` leaves the process
     group to ``fn`` (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE are set for it); ``"auto"``
-    picks NCCL when there is a GPU per rank, gloo otherwise (:func:`default_backend`). The
+    picks NCCL when there is a GPU per rank, gloo otherwise, on the GPUs of a GPU machine
+    (said in one line) and on the CPU without one (:func:`placement`). The
     ranks see this process's ``DPT_SHARE_GPU`` as it is now (the fork server may have been
     started before it was set); ``env`` adds to, and overrides, their environment.
     """
@@ -219,7 +295,11 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
         raise ValueError("world_size must be at least 1")
     env = {SHARE_GPU_VAR: os.environ.get(SHARE_GPU_VAR, ""), **(env or {})}
     if backend == "auto":
-        backend = default_backend(world_size)
+        where = placement(world_size)
+        backend = where.backend
+        if where.shared and not shares_gpu():  # more ranks than GPUs: they share them
+            env = {**env, SHARE_GPU_VAR: "1"}
+            _say_shared(world_size)
     ctx = _context()
     port = find_free_port()
     tmp = Path(tempfile.mkdtemp(prefix="dpt-ranks-"))
@@ -244,10 +324,13 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
             procs[rank].join(timeout=2)
             _kill(procs)
             stack = _tail(stacks[rank], 60)
-            why = ("hung and was stopped; its stack:\n" + stack) if stack else (
+            what = "hung and was stopped" if stack else (
                 f"died with exit code {procs[rank].exitcode} before reporting")
+            why = f"{what}; its stack:\n{stack}" if stack else what
             return RankFailure(f"rank {rank} of {world_size} {why}\n"
-                               f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}")
+                               f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}",
+                               rank=rank, world_size=world_size, message=what,
+                               traceback=stack or None)
 
         results: dict[int, Any] = {}
         pending = {c: r for r, c in enumerate(conns)}
@@ -269,12 +352,16 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
                         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                         continue
                     if status == "error":
-                        others = _other_errors(pending)
+                        text, kind, message = payload
+                        others = _other_errors(pending, world_size)
                         _kill(procs)
                         raise RankFailure(
-                            f"rank {rank} of {world_size} failed:\n{payload}\n"
+                            f"rank {rank} of {world_size} failed:\n{text}\n"
                             f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}"
-                            + others)
+                            + "".join(f"\n--- rank {o.rank} also failed ---\n{o}"
+                                      for o in others),
+                            rank=rank, world_size=world_size, kind=kind, message=message,
+                            traceback=text, peers=others)
                     raise _died(rank)
                 elif obj in sentinels:
                     rank = sentinels.pop(obj)
@@ -289,8 +376,9 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
             missing = [r for r in range(world_size) if r not in results]
             stacks_text = "\n".join(f"--- rank {r} stack ---\n{_tail(stacks[r], 60)}"
                                     for r in missing)
-            raise RankFailure(f"timed out after {timeout:.0f}s waiting for rank(s) {missing}\n"
-                              f"{stacks_text}")
+            what = f"timed out after {timeout:.0f}s waiting for rank(s) {missing}"
+            raise RankFailure(f"{what}\n{stacks_text}", world_size=world_size, message=what,
+                              traceback=stacks_text)
         if echo:
             for rank, log in enumerate(logs):
                 text = _tail(log, 200)

@@ -14,17 +14,20 @@ import pytest
 import torch
 
 from dpt.notebook import pending_task
+from tests.dependencies import lesson_needs
 from tests.scoring import (  # noqa: F401 (re-export)
     error_line,
     failure_kind,
     new_entry,
     points_for,
     record,
+    shorten_message,
     stub_in,
     task_line,
     task_order,
     task_progress,
     task_state,
+    wrap_line,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,11 +207,11 @@ def _first_error(report) -> str:
     # A syntax error's first E line is `File "...", line N`: its `SyntaxError: ...` line says more
     m = re.search(r"^E\s+((?:SyntaxError|IndentationError|TabError)\b[^\n]*)", text, re.M)
     if m:
-        return m.group(1).strip()[:300]
+        return shorten_message(m.group(1))
     for line in text.splitlines():
         if line.startswith("E "):
-            return line[1:].strip()[:300]
-    return text.strip().splitlines()[-1][:300] if text.strip() else ""
+            return shorten_message(line[1:])
+    return shorten_message(text.strip().splitlines()[-1]) if text.strip() else ""
 
 
 def _skip_reason(report) -> str:
@@ -346,12 +349,12 @@ def _grade_report(tr, config) -> None:
     if todo:
         tr.section("tasks to do (one line each, with its hint)", sep="-")
         for task, state, detail in todo:
-            tr.write_line(task_line(task, state, detail))
+            _write_wrapped(tr, "", task_line(task, state, detail), indent=6)
     errors = [f for f in failures if _is_error(f)]
     if errors:
         tr.section(f"{len(errors)} error(s): failures outside a test's body", sep="-")
         for f in errors:
-            tr.write_line(error_line(f.nodeid, f.when, f.why))
+            _write_wrapped(tr, "", error_line(f.nodeid, f.when, f.why), indent=4)
     started = [f for f in failures
                if f.task is None or progress.get(f.task, ("started", ""))[0] == "started"]
     if config.option.verbose > 0:
@@ -362,7 +365,7 @@ def _grade_report(tr, config) -> None:
             tr.section("failing tests of the tasks you started (one line each; -v for "
                        "tracebacks)", sep="-")
             for f in lines:
-                tr.write_line(f"{f.nodeid}: {f.why}")
+                _write_wrapped(tr, "", f"{f.nodeid}: {f.why}", indent=4)
         return
     if started:
         tr.section("failing tests of the tasks you started")
@@ -406,11 +409,14 @@ def _write_table(tr, scores, progress) -> None:
             if state != "skipped":
                 graded += 1
                 done += state == "pass"
-            tr.write_line(f"{lesson:<8}{t:<10}{s['passed']:>4}/{ran:<4}  {note}")
+            _write_wrapped(tr, f"{lesson:<8}{t:<10}{s['passed']:>4}/{ran:<4}  ", note)
         got = sum(points_for(t) for t in tasks if task_state(scores[t]) == "pass")
         out_of = sum(points_for(t) for t in tasks if task_state(scores[t]) != "skipped")
         tr.write_line(f"{lesson:<8}{'score':<10}{done:>4}/{graded:<4}  tasks complete, "
                       f"{got:g}/{out_of:g} points")
+        needs = lesson_needs(lesson, Path(os.environ["DPT_TARGET"]))
+        if needs:  # the earlier lessons' tasks this one runs (tests/dependencies.py)
+            _write_wrapped(tr, f"{lesson:<8}{'needs':<10}", needs, indent=18)
         grand[0] += done
         grand[1] += graded
         grand_points[0] += got
@@ -419,9 +425,17 @@ def _write_table(tr, scores, progress) -> None:
                   f"{grand_points[0]:g}/{grand_points[1]:g} points")
     if skipped_tests:
         reasons = sorted({scores[t]["skip_reason"] for t in scores if scores[t]["skip_reason"]})
-        tr.write_line(f"score incomplete: {skipped_tests} test(s) skipped, left out of the score"
-                      + (f" ({len(skipped_tasks)} task(s) not graded at all)"
-                         if skipped_tasks else "") + "; why: " + "; ".join(reasons))
+        _write_wrapped(tr, "", f"score incomplete: {skipped_tests} test(s) skipped, left out of "
+                       "the score" + (f" ({len(skipped_tasks)} task(s) not graded at all)"
+                                      if skipped_tasks else "") + "; why: " + "; ".join(reasons),
+                       indent=4)
+
+
+def _write_wrapped(tr, prefix: str, text: str, indent: int | None = None) -> None:
+    """``prefix + text`` wrapped to the terminal's width between words, never cut: a long
+    message goes on under its column (``indent`` spaces, by default the prefix's width)."""
+    for line in wrap_line(prefix, text, tr._tw.fullwidth - 1, indent):
+        tr.write_line(line)
 
 
 def _write_json(config, scores) -> None:

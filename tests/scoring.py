@@ -6,6 +6,7 @@ results.json). Plain Python, no torch, so the grader can import it cheaply.
 from __future__ import annotations
 
 import re
+import textwrap
 
 # Points per task. A task not listed here is worth DEFAULT_POINTS. Change a task's weight here
 # and every report follows: `make grade`'s table, the gradebook CSV and Gradescope's file.
@@ -133,3 +134,37 @@ def error_line(nodeid: str, when: str, message: str) -> str:
     """One of pytest's "errors" (a failure outside the test's body), said in one line."""
     where = "collecting" if when == "collect" else f"in {when} of"
     return f"error {where} {nodeid}: {message or 'no message'}"
+
+
+# --- fitting messages to the report's width ----------------------------------------------
+
+# The longest message a report keeps (a failing test's first line can be a huge repr): longer
+# ones are shortened at a word boundary, and say so.
+MESSAGE_LIMIT = 1000
+SHORTENED = " [... shortened; pytest -v shows it whole]"
+
+
+def shorten_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` on one line (runs of whitespace made one space), kept whole up to ``limit``
+    characters; a longer one ends at the last word boundary that fits, marked as shortened.
+    Never cut inside a word."""
+    flat = " ".join((text or "").split())
+    if len(flat) <= limit:
+        return flat
+    head = flat[:limit - len(SHORTENED) + 1]
+    if " " in head:
+        head = head[:head.rfind(" ")]
+    else:  # one long first word: kept whole
+        head = flat.split(" ")[0]
+    return head.rstrip() + (SHORTENED if len(head) < len(flat) else "")
+
+
+def wrap_line(prefix: str, text: str, width: int = 80, indent: int | None = None) -> list[str]:
+    """``prefix + text`` as lines of at most ``width`` characters, broken between words (never
+    inside one: a word longer than the line stays whole), each line after the first indented
+    by ``indent`` spaces (by default, under the text's first character)."""
+    pad = " " * (len(prefix) if indent is None else indent)
+    lines = textwrap.wrap(text or "", width=max(width, len(prefix) + 20),
+                          initial_indent=prefix, subsequent_indent=pad,
+                          break_long_words=False, break_on_hyphens=False)
+    return lines or [prefix.rstrip()]

@@ -15,9 +15,17 @@ Markdown to ``--out`` (default ``runs/gpu-check/``, untracked), with the machine
 record that the GPU column of docs/machines.md quotes. On a machine without CUDA it says so in
 one line and exits with status 3.
 
+The suite and the notebooks are required items: a check without them checks nothing. When
+this Python cannot import what they need (pytest and its plugins, the Jupyter stack, the
+course's own dependencies) the run stops before starting anything, with one line naming what
+is missing and how to get it, and exits with status 4; ``--commit`` refuses a checklist in
+which a required item did not run to the end. Items written in a low precision compute in the
+one the course's rule picks for the GPUs (``dpt.precision.low_precision_for``: bf16 from
+compute capability 8, fp16 below, where bf16 is emulated), and say which.
+
 A GPU machine with torch preinstalled and no network (a cluster node, a container) lacks the
 data and, often, the Jupyter stack the notebooks need: ``tools/offline_bundle.sh`` packs both on
-a machine with PyPI, and ``--install`` unpacks them there (its header shows the two commands).
+a machine with PyPI, and ``--install`` unpacks them there (its header shows the commands).
 """
 
 from __future__ import annotations
@@ -40,11 +48,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "docs" / "gpu-check"
 NO_GPU_EXIT = 3
+MISSING_TOOLS_EXIT = 4
 S = "solutions"
 CAP_ONE_GPU_S = 600.0  # the overall cap on one GPU ...
 CAP_EIGHT_GPUS_S = 1200.0  # ... and on eight; in between (and beyond) it grows linearly
 SHARE = {"DPT_SHARE_GPU": "1"}
 NOTEBOOKS = "tests/harness/test_notebooks.py::test_notebook_runs_top_to_bottom"  # each one
+# What the suite and the notebooks import besides torch (tests/harness/test_gpu_check.py scans
+# the course's imports to keep this complete), by module name; pip's name where it differs.
+COURSE_NEEDS = ("pytest", "pytest_timeout", "xdist", "nbformat", "nbclient", "ipykernel",
+                "IPython", "jupytext", "matplotlib", "tqdm", "torchvision", "pytorch_lightning",
+                "lightning_fabric", "torchmetrics")
+DISTRIBUTIONS = {"pytest_timeout": "pytest-timeout", "xdist": "pytest-xdist",
+                 "IPython": "ipython", "pytorch_lightning": "pytorch-lightning",
+                 "lightning_fabric": "pytorch-lightning"}
+# They depend on torch (torchvision on one release of it): tools/offline_bundle.sh packs them
+# only for a torch version it is given, without torch; every other one, with its dependencies.
+WITH_TORCH = ("torchvision", "pytorch-lightning", "torchmetrics")
 LIGHTNING_SHARED = ("Lightning's strategies start NCCL themselves, and NCCL refuses two ranks "
                     "on one GPU: needs {n} GPUs")
 
@@ -72,6 +92,7 @@ class Item:
     needs: tuple[str, ...] = ()  # modules the Python running the check must import
     xdist: tuple[str, ...] = ()  # pytest's -n flag, used when pytest-xdist is installed
     skip: str | None = None  # a reason this item cannot run on this machine
+    required: bool = False  # the check means nothing without it: it may not be skipped
     bench_ns: tuple[int, ...] = ()  # the benchmark: each N needs an ok record
 
 
@@ -112,11 +133,26 @@ def ddp_line(n: int, shared: bool) -> str:
     return rf"world size {n}, backend {'gloo' if shared else 'nccl'}, cuda:\d"
 
 
-def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
+def low_precision(capability: tuple[int, int]) -> tuple[str, str]:
+    """The 16-bit format the course's rule picks for GPUs whose lowest compute capability is
+    ``capability``, and why, in the words an item's ``what`` gives."""
+    from dpt.precision import low_precision_for
+
+    name = low_precision_for(tuple(capability))
+    cc = ".".join(map(str, capability))
+    return name, f"compute capability {cc}: " + ("bf16 emulated below 8" if name == "fp16"
+                                                   else "bf16 in hardware")
+
+
+def items(n_gpus: int, cores: int, tmp: Path, capability: tuple[int, int] = (8, 0)
+          ) -> list[Item]:
     """Every item for a machine with ``n_gpus`` GPUs and ``cores`` cores, in start order.
 
+    ``capability``: the lowest compute capability of the GPUs, which picks the low precision
+    of the items that compute in one (the default plans for an Ampere-class GPU).
     Pure: it only names files under ``tmp``; the runner makes nothing but ``tmp`` itself.
     """
+    low, low_why = low_precision(capability)
     py = sys.executable
     torchrun = [py, "-m", "torch.distributed.run", "--standalone"]
     ns, shared = rank_counts(n_gpus)
@@ -130,7 +166,7 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
              [py, "-m", "pytest", "-q", "-p", "no:randomly", "tests", "--deselect", NOTEBOOKS,
               f"--basetemp={tmp / 'suite-pytest'}"],
              gpu="light", cpus=2 * workers, estimate=300, timeout=600,
-             needs=("pytest", "pytest_timeout"), xdist=("-n", str(workers))),
+             needs=COURSE_NEEDS, xdist=("-n", str(workers)), required=True),
         # On GPUs QUICK picks N=1 and every GPU itself (and keeps under 5 minutes); on one
         # GPU the ranks share it at N=2 and N=4.
         Item("benchmark-quick",
@@ -150,8 +186,7 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
               f"--basetemp={tmp / 'notebooks-pytest'}"],
              gpu="light", cpus=2 * nb_workers, estimate=180, timeout=600,
              env={"DPT_TEST_BACKEND": "auto", **(SHARE if shared else {})},
-             needs=("pytest", "pytest_timeout", "nbclient", "nbformat", "ipykernel"),
-             xdist=("-n", str(nb_workers))),
+             needs=COURSE_NEEDS, xdist=("-n", str(nb_workers)), required=True),
     ]
 
     def lane(n: int) -> str:  # NCCL over every GPU gets them to itself
@@ -199,17 +234,26 @@ def items(n_gpus: int, cores: int, tmp: Path) -> list[Item]:
                  [py, f"{S}/08_sharding/fsdp2_train.py", "--nproc", str(n), "--steps", "10",
                   "--data", "synthetic"],
                  **common, estimate=30, env=dict(env), expect=(rf"fsdp2 on {n} rank",)),
-            Item(f"l09-fsdp-by-hand{name}", f"lesson 09: FSDP by hand, bf16 compute, {n} ranks",
+            Item(f"l09-fsdp-by-hand{name}",
+                 f"lesson 09: FSDP by hand, {low} compute ({low_why}), {n} ranks",
                  [py, f"{S}/09_fsdp/fsdp_by_hand.py", "--nproc", str(n), "--steps", "10",
-                  "--dtype", "bf16"],
-                 **common, estimate=20, env=dict(env), expect=(rf"FSDP by hand on {n} rank",)),
+                  "--dtype", low],
+                 **common, estimate=20, env=dict(env),
+                 expect=(rf"FSDP by hand on {n} rank\(s\), {low} compute",)),
         ]
-        if n in (1, 2, 4):  # lesson 09's FSDP2 splits one global batch of 8 sequences
-            batch.append(Item(f"l09-fsdp2-bf16{name}", f"lesson 09: FSDP2, bf16 policy, {n} ranks",
+        # Lesson 09's FSDP2 splits one global batch of 8 sequences. Its mixed-precision
+        # policy is bf16 only: where the rule picks fp16 it runs its fp32 policy instead.
+        policy = "bf16" if low == "bf16" else "fp32"
+        if n in (1, 2, 4):
+            batch.append(Item(f"l09-fsdp2-{policy}{name}",
+                              f"lesson 09: FSDP2, {policy} policy ({low_why}"
+                              + ("" if policy == low else "; its policy has no fp16")
+                              + f"), {n} ranks",
                               [py, f"{S}/09_fsdp/fsdp2_practice.py", "--nproc", str(n),
-                               "--steps", "10", "--bf16"],
+                               "--steps", "10", *(["--bf16"] if policy == "bf16" else [])],
                               **common, estimate=20, env=dict(env),
-                              expect=(rf"FSDP2 on {n} rank",)))
+                              expect=(rf"FSDP2 on {n} rank\(s\)"
+                                      + (", bf16" if policy == "bf16" else "(?!, bf16)"),)))
         batch += [
             Item(f"l10-traces{name}", f"lesson 10: one traced step of each method, {n} ranks",
                  [py, f"{S}/10_inside_a_step/traces.py", "--nproc", str(n), "--out",
@@ -402,13 +446,29 @@ def missing_modules(item: Item) -> list[str]:
     return [m for m in item.needs if importlib.util.find_spec(m) is None]
 
 
-def command(item: Item) -> tuple[list[str], str | None]:
-    """The item's argv on this Python, and a note when it runs with less than planned."""
-    if not item.xdist:
-        return item.argv, None
-    if importlib.util.find_spec("xdist") is None:
-        return item.argv, "one test at a time: pytest-xdist is not installed"
-    return [*item.argv, *item.xdist], None
+def how_to_get(modules: list[str]) -> str:
+    """What is missing, by pip's names, and how to get it: one line."""
+    names = list(dict.fromkeys(DISTRIBUTIONS.get(m, m) for m in modules))
+    torch_bound = [n for n in names if n in WITH_TORCH]
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", "<this torch's version>").split("+")[0]
+    builds = f" ({', '.join(torch_bound)}: the builds for torch {version})" if torch_bound \
+        else ""
+    offline = f"TORCH={version} " if torch_bound else ""
+    return (f"{sys.executable} lacks {', '.join(names)}: `{sys.executable} -m pip install "
+            f"{' '.join(names)}`{builds}; with no network here, `{offline}bash "
+            "tools/offline_bundle.sh` on a machine with PyPI, copy .offline/ here, then "
+            "`bash tools/offline_bundle.sh --install`")
+
+
+def missing_required(todo: list[Item]) -> list[str]:
+    """The modules that the required items of ``todo`` need and this Python lacks."""
+    return list(dict.fromkeys(m for it in todo if it.required and not it.skip
+                              for m in missing_modules(it)))
+
+
+def command(item: Item) -> list[str]:
+    return [*item.argv, *item.xdist]
 
 
 def launch(item: Item, cores: list[int], log: Path) -> subprocess.Popen:
@@ -424,7 +484,7 @@ def launch(item: Item, cores: list[int], log: Path) -> subprocess.Popen:
             os.sched_setaffinity(0, cores)
 
     with open(log, "w") as fh:
-        return subprocess.Popen(command(item)[0], cwd=REPO, env=env, stdout=fh,
+        return subprocess.Popen(command(item), cwd=REPO, env=env, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=pin)
 
@@ -479,11 +539,14 @@ def run_all(todo: list[Item], cores: list[int], cap: float, tmp: Path, logs: Pat
     results: dict[str, dict] = {}
     pending: list[Item] = []
     for it in todo:
-        argv, note = command(it)
-        base = {"name": it.name, "what": it.what, "command": " ".join(argv),
-                "estimate": it.estimate, **({"note": note} if note else {})}
+        base = {"name": it.name, "what": it.what, "command": " ".join(command(it)),
+                "estimate": it.estimate, "required": it.required}
         gone = missing_modules(it)
-        if it.skip or gone:
+        if it.required and (it.skip or gone):  # not run: that is a failure, never a skip
+            why = it.skip or f"not run: {how_to_get(gone)}"
+            results[it.name] = {**base, "status": "fail", "reason": why}
+            say(f"[{_clock(t0)}] fail  {it.name}: {why}")
+        elif it.skip or gone:
             why = it.skip or (f"needs {', '.join(gone)}, which {sys.executable} cannot import")
             results[it.name] = {**base, "status": "skipped", "reason": why}
             say(f"[{_clock(t0)}] skip  {it.name}: {why}")
@@ -493,12 +556,14 @@ def run_all(todo: list[Item], cores: list[int], cap: float, tmp: Path, logs: Pat
     running: list[Running] = []
     free = list(cores)
 
-    def finish(r: Running, status: str, reason: str | None) -> None:
+    def finish(r: Running, status: str, reason: str | None, code: int | None = None) -> None:
         running.remove(r)
         free.extend(r.cores)
         rec = results[r.item.name]
         rec.update(status=status, seconds=round(time.monotonic() - r.start, 1),
                    tail=tail(r.log), log=str(r.log))
+        if code is not None:  # it ran to its end (else it was stopped)
+            rec["exit"] = code
         if reason:
             rec["reason"] = reason
         note = f": {reason}" if reason else ""
@@ -526,7 +591,7 @@ def run_all(todo: list[Item], cores: list[int], cap: float, tmp: Path, logs: Pat
                     except (ProcessLookupError, PermissionError):
                         pass
                     status, reason = verdict(r.item, code, tail(r.log, 200_000), tmp)
-                    finish(r, status, reason)
+                    finish(r, status, reason, code)
                 elif now - r.start > r.item.timeout:
                     stop_tree(r.proc)
                     finish(r, "fail", f"timed out after {r.item.timeout:.0f} s")
@@ -606,7 +671,7 @@ def markdown(results: list[dict], info: dict, elapsed: float, cap: float) -> str
              "| item | result | seconds | what |", "|---|---|---|---|"]
     for r in results:
         result = r.get("status", "?") + (f": {r['reason']}" if r.get("reason") else "")
-        result = (result + (f" ({r['note']})" if r.get("note") else "")).replace("|", "\\|")
+        result = result.replace("|", "\\|")
         lines.append(f"| {r['name']} | {result} | {r.get('seconds', '')} | {r['what']} |")
     return "\n".join(lines) + "\n"
 
@@ -661,9 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         list(range(cpu_budget()))
     cap = args.budget or overall_cap(n_gpus)
+    # The lowest compute capability: every rank of an item must run its precision well.
+    capability = min((tuple(torch.cuda.get_device_capability(i)) for i in range(n_gpus)),
+                     default=(8, 0))
     with tempfile.TemporaryDirectory(prefix="dpt-gpu-check-") as tmp_name:
         tmp = Path(tmp_name)
-        todo = items(max(n_gpus, 1), len(cores), tmp)
+        todo = items(max(n_gpus, 1), len(cores), tmp, capability=capability)
+        required = [it.name for it in todo if it.required]
         if args.only:
             names = set(args.only.split(","))
             unknown = names - {it.name for it in todo}
@@ -672,10 +741,17 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             todo = [it for it in todo if it.name in names]
+            left_out = [name for name in required if name not in names]
+            if args.commit and left_out:
+                print(f"error: --commit records the whole check; --only leaves out the "
+                      f"required item(s) {', '.join(left_out)}", file=sys.stderr)
+                return 2
         planned = planned_seconds(todo, len(cores))
+        gone = missing_required(todo)
         if args.list:
             if n_gpus == 0:
-                print("no CUDA GPU here: the plan for one GPU")
+                print("no CUDA GPU here: the plan for one GPU of compute capability "
+                      f"{'.'.join(map(str, capability))}")
             for it, start, end in plan(todo, len(cores)):
                 print(f"{start:5.0f}-{end:5.0f} s  {it.name:34} {it.gpu:9} {it.cpus:2} core(s)"
                       f"  {it.what}")
@@ -683,7 +759,12 @@ def main(argv: list[str] | None = None) -> int:
                 if it.skip:
                     print(f"  skipped    {it.name:34} {it.skip}")
             print(f"planned: {planned:.0f} s, cap {cap:.0f} s, {len(cores)} cores")
+            if gone:
+                print(f"cannot run here yet: {how_to_get(gone)}")
             return 0
+        if gone:  # before anything starts: the run would check nothing
+            print(f"gpu-check: cannot check: {how_to_get(gone)}", file=sys.stderr)
+            return MISSING_TOOLS_EXIT
         info = machine(len(cores))
         print(f"gpu-check: {gpus_label(info)}; {len(todo)} items on {len(cores)} cores, "
               f"planned about {planned / 60:.1f} min, stopped at {cap / 60:.1f} min", flush=True)
@@ -700,6 +781,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [{r['status']:7}] {r['name']}" + (f": {r['reason']}" if r.get("reason") else ""))
     print(f"{summary(results)} in {elapsed / 60:.1f} min; written: {md} and checklist.json "
           f"(logs in {args.out / 'logs'})")
+    unfinished = [f"{r['name']} ({r.get('reason', r['status'])})" for r in results
+                  if r.get("required") and "exit" not in r]
+    if args.commit and unfinished:
+        print(f"error: --commit refused: the required item(s) {'; '.join(unfinished)} did "
+              f"not run to the end; nothing recorded under {_shown(RECORDS)}/", file=sys.stderr)
+        return 1
     if args.commit:
         RECORDS.mkdir(parents=True, exist_ok=True)
         dest = RECORDS / record_name(info)

@@ -45,7 +45,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python tools/grade_class.py` as well as `-m tools.grade_class`
     sys.path.insert(0, str(REPO))
 
-from tests.scoring import new_entry, points_for, record, task_order, task_state  # noqa: E402
+from tests.scoring import (  # noqa: E402
+    new_entry,
+    points_for,
+    record,
+    shorten_message,
+    task_order,
+    task_state,
+    wrap_line,
+)
 from tools import carry_answers  # noqa: E402
 
 LESSON_RE = re.compile(r"^(\d\d)_\w+$")
@@ -78,7 +86,7 @@ class Course:
     expected: dict[str, dict[str, str]] = field(default_factory=dict)  # lesson -> {id: task}
 
     def tasks(self, lesson: str) -> list[str]:
-        return sorted(set(self.expected.get(lesson, {}).values()))
+        return sorted(set(self.expected.get(lesson, {}).values()), key=task_order)  # 09.2 < 09.10
 
 
 def load_course(root: Path, lessons: list[str] | None) -> Course:
@@ -746,7 +754,7 @@ def grade_lesson(sandbox: Sandbox, sub: Submission, lesson: str) -> LessonResult
 
 def _clean(message: str) -> str:
     """A message as the student reads it: paths relative to their submission."""
-    return re.sub(r"/\S*?/course/submission/", "", message)[:500]
+    return shorten_message(re.sub(r"/\S*?/course/submission/", "", message))
 
 
 def _grade_selection(sandbox: Sandbox, sub: Submission, lesson: str, uid: int | None,
@@ -930,7 +938,7 @@ def feedback_text(course: Course, r: SubmissionResult) -> str:
     if failing:
         lines += ["", "What to look at, task by task (the first message of its first failing "
                   "test):"]
-        lines += [f"  {t}: {why}" for t, why in failing]
+        lines += [line for t, why in failing for line in wrap_line(f"  {t}: ", why, 100)]
     if r.notes():
         lines += ["", "Notes from the grader:"] + [f"  {n}" for n in r.notes()]
     lines += ["", "Run the same tests yourself: make grade LESSON=NN (see the course README)."]

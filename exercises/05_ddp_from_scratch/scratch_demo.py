@@ -123,13 +123,15 @@ def _ms(t: float, t0: float) -> float:
 
 
 def _ready_hook(recording: dict, layer_of: dict):
-    """A post-accumulate-grad hook that notes when each layer's gradient is in."""
-    import time
+    """A post-accumulate-grad hook that notes when each layer's gradient is in: a stamp of
+    ``recording["clock"]`` (``dpt.timing``; the host's clock if it has none)."""
+    from dpt.timing import HostClock
 
     def ready(param) -> None:
         log = recording["log"]
         if log is not None:
-            log["ready"][layer_of[id(param)]] = time.perf_counter()
+            stamp = recording.get("clock", HostClock()).now
+            log["ready"][layer_of[id(param)]] = stamp()
 
     return ready
 
@@ -152,25 +154,32 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
     of each wrapper's ``steps`` recorded steps the one of median length is kept. ``buckets``
     lists, per bucket, the layers with a parameter in it: a layer's bias (registered after its
     weight, so bucketed before it) can close one bucket while its weight opens the next. A
-    wrapper that reaches a task not done yet gets the task's message instead of its step. The
-    clock is the host's: on a GPU the hooks fire when kernels are queued, not run, so measure
-    this on the CPU (gloo).
+    wrapper that reaches a task not done yet gets the task's message instead of its step.
+
+    The clock (``dpt.timing.clock_for``): on the CPU the host's. On a GPU every stamp is a CUDA
+    event recorded on the compute stream, read after the step, so the times are when the device
+    got there, not when the host queued the work; with NCCL an async all-reduce is done when
+    its kernels finished on the device (its future completes when it is queued). With gloo on
+    CUDA tensors (``DPT_SHARE_GPU=1``) an async all-reduce's end is the host's moment its
+    future completed.
     """
     import time
 
     import torch.distributed as dist
 
     from dpt.dist import rank_device
+    from dpt.timing import clock_for
 
     dev = rank_device()
+    clock = clock_for(dev)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g).to(dev)
     y = torch.randint(0, 10, (batch,), generator=g).to(dev)
     real_all_reduce = dist.all_reduce
-    recording: dict = {"log": None}
+    recording: dict = {"log": None, "clock": clock}
 
     def traced_all_reduce(tensor, *args, async_op=False, **kwargs):
-        launch = time.perf_counter()
+        launch = clock.now()
         work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
         log = recording["log"]
         if log is not None:
@@ -178,10 +187,9 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                      "async": bool(async_op)}
             log["allreduce"].append(event)
             if async_op:
-                work.get_future().add_done_callback(
-                    lambda _fut, e=event: e.__setitem__("done", time.perf_counter()))
+                clock.on_end(work, lambda stamp, e=event: e.__setitem__("done", stamp))
             else:
-                event["done"] = time.perf_counter()
+                event["done"] = clock.now()
         return work
 
     wrappers = {"naive": NaiveDDP, "overlap": OverlapDDP,
@@ -209,9 +217,9 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                 dist.barrier()
                 log = {"ready": {}, "allreduce": []}
                 recording["log"] = log if i >= warmup else None
-                t0 = time.perf_counter()
+                t0 = clock.now()
                 loss.backward()
-                t1 = time.perf_counter()
+                t1 = clock.now()
                 try:
                     model.finish_gradient_synchronization()
                 except NotImplementedError as exc:
@@ -219,9 +227,9 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                     runs[name] = _task_message(exc)
                     del live[name]
                     continue
-                t2 = time.perf_counter()
+                t2 = clock.now()
                 opt.step()
-                t3 = time.perf_counter()
+                t3 = clock.now()
                 recording["log"] = None
                 if i < warmup:
                     continue
@@ -229,12 +237,16 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                 while (any("done" not in e for e in log["allreduce"])
                        and time.perf_counter() < deadline):
                     time.sleep(0.001)
+                clock.settle()  # on a GPU: the device is done, its stamps can be read
+                sec = clock.seconds
+                t0, t1, t2, t3 = (sec(t) for t in (t0, t1, t2, t3))
+                ready = {n: sec(t) for n, t in log["ready"].items()}
                 run = {"backward": [0.0, _ms(t1, t0)], "sync": [_ms(t1, t0), _ms(t2, t0)],
                        "step": [_ms(t2, t0), _ms(t3, t0)],
                        "layers": [{"name": n, "ready": _ms(t, t0)}
-                                  for n, t in sorted(log["ready"].items(), key=lambda kv: kv[1])],
-                       "allreduce": [{"launch": _ms(e["launch"], t0),
-                                      "done": _ms(e.get("done", t2), t0),
+                                  for n, t in sorted(ready.items(), key=lambda kv: kv[1])],
+                       "allreduce": [{"launch": _ms(sec(e["launch"]), t0),
+                                      "done": _ms(sec(e.get("done", t2)), t0),
                                       "bytes": e["bytes"], "async": e["async"]}
                                      for e in log["allreduce"]]}
                 if hasattr(model, "buckets"):

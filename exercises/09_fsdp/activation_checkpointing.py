@@ -190,8 +190,9 @@ def main(argv=None) -> int:
         results = run_distributed(compare_worker, world_size=args.nproc, kwargs=kwargs,
                                   timeout=600, echo=False)
     except (ValueError, RuntimeError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     mib = 2**20
     print(f"TinyTransformer, {args.layers} blocks, {args.batch} x {args.seq_len} tokens per rank")
     for r in results:

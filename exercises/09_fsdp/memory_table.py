@@ -98,7 +98,7 @@ def predict_peak(method: str, units: list[int], world_size: int, activation_byte
         buffers = grads / n  # one owner's gradients, flattened for its reduce
         peak = params + state + max(activation_bytes, grads + buffers)
     else:
-        raise NotImplementedError("Task 09.13: when backward starts: shards and state, the units gathered at once (the root stays gathered), their full gradients, every activation")
+        raise NotImplementedError("Task 09.13: when backward starts: shards and state, the root and the largest block gathered (plus the next largest when prefetching), the full gradients of the root and the largest block, every activation")
     return {**{k: rest[k] for k in ("params", "grads", "optimizer")}, "buffers": buffers,
             "activations": activation_bytes, "peak": peak}
 
@@ -239,8 +239,9 @@ def main(argv=None) -> int:
                                             echo=False)
                     for n in args.nproc for m in args.methods}
     except (ValueError, RuntimeError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     print(f"TinyTransformer {CONFIG}, Adam fp32, {args.batch} sequence(s) per rank; "
           "MiB per rank, predicted / measured")
     print(format_rows(table_rows(measured, args.batch)))

@@ -15,8 +15,14 @@ unit's backward, and overlaps the next unit's backward.
     .venv/bin/python exercises/09_fsdp/schedule.py                  # 2 ranks: benchmarks/runs/lessons/l09_schedule.png
     .venv/bin/python exercises/09_fsdp/schedule.py --nproc 4 --out schedule4.svg
 
-Times are the host's clock (``time.perf_counter``, shared by the processes of one machine). On
-a GPU the host only issues the work, so there the lanes show when work was queued, not run.
+Times are seconds of the host's clock (``time.perf_counter``, shared by the processes of one
+machine), read where the work runs (``dpt.timing``): on the CPU the host's own stamps; on a GPU,
+CUDA events recorded on the compute stream, turned into host seconds after the step, so that
+the lanes show when the device ran the work, not when the host queued it. With NCCL a
+collective's end is when its kernels finished (NCCL's handles complete when the work is
+queued, and their ``wait()`` returns at once), and a grey wait is the time the compute stream
+sat waiting for it. With gloo on CUDA tensors (ranks sharing a GPU, ``DPT_SHARE_GPU=1``) the
+collectives run on gloo's CPU threads: their ends are the host's stamps.
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ __import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
     "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
+import contextlib
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
@@ -38,73 +44,116 @@ KINDS = ("gather", "wait", "compute", "free", "reduce_scatter")
 
 class Timeline:
     """The events of one rank: dicts with ``unit``, ``kind`` (one of :data:`KINDS`), ``phase``
-    (forward or backward), ``start`` and ``end`` in ``time.perf_counter()`` seconds.
+    (forward or backward), ``start`` and ``end`` in ``time.perf_counter()`` seconds, and
+    ``clock``, the clock that stamped them (``"host"`` or ``"cuda"``, see ``dpt.timing``).
 
-    Nothing is kept while ``on`` is False. A collective's ``end`` is filled in when it
-    completes (a callback on its handle's future), else when it is first seen completed, else
-    when it is waited on (then the event also has ``end_at_wait``: it ended by then at the
-    latest; gloo's reduce-scatter handles say nothing before their wait)."""
+    Nothing is kept while ``on`` is False. The stamps come from ``clock`` (default:
+    ``dpt.timing.clock_for()``, chosen at the first one: CUDA events recorded on the compute
+    stream where the rank computes on a GPU, the host's ``time.perf_counter`` otherwise); they
+    become seconds when :attr:`events` is read (on a GPU, once the device is done).
 
-    def __init__(self):
+    A collective's ``end``: on a GPU with NCCL, when its kernels finished on the device. On
+    gloo, when its handle's future completes, else when it is first seen completed, else when
+    it is waited on (then the event also has ``end_at_wait``: it ended by then at the latest;
+    gloo's reduce-scatter handles say nothing before their wait). A ``wait`` lasts from the
+    moment the compute reached ``wait()`` (the host, or on a GPU the compute stream) to the
+    moment it went on: the time the compute was held up by that collective."""
+
+    def __init__(self, clock=None):
         self.on = False
-        self.events: list[dict] = []
+        self.clock = clock
+        self._events: list[dict] = []
         self.phase = "forward"
-        self._open: dict[tuple[str, str], float] = {}
+        self._open: dict[tuple[str, str], object] = {}
         self._polled: list[tuple[dict, object]] = []  # collectives whose handle has no future
+
+    @property
+    def events(self) -> list[dict]:
+        """The events so far, their stamps turned into seconds (the list itself: clearing it
+        forgets them)."""
+        stamps = [(e, key) for e in self._events for key in ("start", "end")
+                  if e[key] is not None and not isinstance(e[key], (int, float))]
+        if stamps:
+            self.clock.settle()
+            for event, key in stamps:
+                event[key] = self.clock.seconds(event[key])
+        return self._events
+
+    def _clock(self):
+        if self.clock is None:
+            from dpt.timing import clock_for
+
+            self.clock = clock_for()
+        return self.clock
+
+    def now(self):
+        """A stamp of now on this timeline's clock (None while not recording)."""
+        return self._clock().now() if self.on else None
 
     def _poll(self) -> None:
         """Stamp the collectives found completed since the last event."""
         if self._polled:
-            now = time.perf_counter()
+            now = self._clock().host_now()
             for event, work in self._polled:
                 if event["end"] is None and work.is_completed():
                     event["end"] = now
             self._polled = [(e, w) for e, w in self._polled if e["end"] is None]
 
-    def span(self, unit: str, kind: str, start: float, end: float,
-             phase: str | None = None) -> None:
+    def span(self, unit: str, kind: str, start, end, phase: str | None = None) -> None:
         if not self.on:
             return
         self._poll()
         if kind == "wait":  # whatever this waited for is done now, if not seen done before
-            for event in reversed(self.events):
+            for event in reversed(self._events):
                 if event["unit"] == unit and event["end"] is None:
                     event["end"], event["end_at_wait"] = end, True
                     break
-        self.events.append({"unit": unit, "kind": kind, "phase": phase or self.phase,
-                            "start": start, "end": end})
+        self._events.append({"unit": unit, "kind": kind, "phase": phase or self.phase,
+                             "start": start, "end": end, "clock": self._clock().name})
 
     def mark(self, unit: str, kind: str) -> None:
-        now = time.perf_counter()
+        now = self.now()
         self.span(unit, kind, now, now)
 
-    def issued(self, unit: str, kind: str, start: float, work) -> None:
-        """A collective issued at ``start``; ``work`` is its handle (None if it ran at once)."""
+    @contextlib.contextmanager
+    def waiting(self, unit: str):
+        """Around a handle's ``wait()``: log the time the compute sat in it as a ``wait``."""
+        if not self.on:
+            yield
+            return
+        start = self.now()
+        yield
+        self.span(unit, "wait", start, self.now())
+
+    def issued(self, unit: str, kind: str, start, work) -> None:
+        """A collective issued at stamp ``start``; ``work`` is its handle (None if it ran at
+        once)."""
         if not self.on:
             return
         self._poll()
-        event = {"unit": unit, "kind": kind, "phase": self.phase, "start": start, "end": None}
-        self.events.append(event)
+        clock = self._clock()
+        event = {"unit": unit, "kind": kind, "phase": self.phase, "start": start, "end": None,
+                 "clock": clock.name}
+        self._events.append(event)
         if work is None:
-            event["end"] = time.perf_counter()
+            event["end"] = clock.now()
             return
 
-        def done(_, event=event):
-            event["end"] = time.perf_counter()
+        def done(stamp, event=event):
+            if event["end"] is None:
+                event["end"] = stamp
 
-        try:
-            work.get_future().then(done)
-        except RuntimeError:  # a backend whose handles have no future: look at each event
+        if not clock.on_end(work, done):  # a handle without a future: look at each event
             self._polled.append((event, work))
 
     def open(self, unit: str, phase: str) -> None:
         self._poll()
-        self._open[(unit, phase)] = time.perf_counter()
+        self._open[(unit, phase)] = self.now()
 
     def close(self, unit: str, phase: str) -> None:
         start = self._open.pop((unit, phase), None)
         if start is not None:
-            self.span(unit, "compute", start, time.perf_counter(), phase)
+            self.span(unit, "compute", start, self.now(), phase)
 
 
 # The decorators fsdp_by_hand.py puts on the methods you write, so that FSDP can log them
@@ -115,7 +164,7 @@ def collective(kind: str):
     def wrap(fn):
         @functools.wraps(fn)
         def method(unit, *args, **kwargs):
-            start = time.perf_counter()
+            start = unit.timeline.now()
             work = fn(unit, *args, **kwargs)
             unit.timeline.issued(unit.name, kind, start, work)
             return work
@@ -188,6 +237,15 @@ def summary(events: list[dict]) -> dict[str, float]:
             "compute": total("compute"), "waiting": total("wait"), "gathering": total("gather")}
 
 
+CLOCKS = {"host": "the host's clock", "cuda": "the GPU's clock (CUDA events)"}
+
+
+def clock_of(events: list[dict]) -> str:
+    """Which clock stamped one rank's events, in words (for labels)."""
+    names = sorted({e.get("clock", "host") for e in events})
+    return " and ".join(CLOCKS.get(n, n) for n in names) or CLOCKS["host"]
+
+
 COLORS = {("compute", "forward"): "tab:blue", ("compute", "backward"): "tab:orange",
           "wait": "lightgrey", "gather": "tab:green", "reduce_scatter": "tab:purple",
           "free": "tab:red"}
@@ -248,7 +306,7 @@ def draw(events_by_rank, ax=None, title: str | None = None):
                 ax.text((start + end) / 2, y + half, _short(e["unit"]), ha="center",
                         va="center", fontsize=6, clip_on=True)
     ax.set_yticks(ticks, labels)
-    ax.set_xlabel("ms since the step began")
+    ax.set_xlabel(f"ms since the step began ({clock_of(events_by_rank[0])})")
     ax.set_title(title or "one FSDP step")
     handles = [Patch(color=COLORS[("compute", "forward")], label="forward"),
                Patch(color=COLORS[("compute", "backward")], label="backward"),
@@ -278,14 +336,16 @@ def main(argv=None) -> int:
                                       model_kwargs={"dim": args.dim}, timeout=args.timeout)
                 for prefetch in (True, False)}
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(12, 2.6 * (1 + args.nproc)))
+    # one time axis for both panels: the steps compare at a glance
+    fig, axes = plt.subplots(2, 1, figsize=(12, 2.6 * (1 + args.nproc)), sharex=True)
     for ax, prefetch in zip(axes, (True, False)):
         draw(runs[prefetch], ax=ax, title=f"prefetch {'on' if prefetch else 'off'}")
         for rank, events in enumerate(runs[prefetch]):

@@ -20,7 +20,7 @@
 # | sharded checkpoints with DCP, resumed at another N | 09.21-09.23 | `dcp_checkpoint.py` |
 
 # %%
-from dpt.notebook import bench_result, needs_tasks, ranks_device, use_lesson
+from dpt.notebook import bench_result, needs_tasks, use_lesson
 
 use_lesson("09_fsdp")
 
@@ -38,7 +38,8 @@ import memory_table as mt
 import schedule
 from dpt.checkpoint import CheckpointError, check_dcp_checkpoint
 from dpt.models import TinyTransformer
-from dpt.ranks import run_distributed
+from dpt.precision import DTYPES, low_precision_for
+from dpt.ranks import placement, run_distributed
 from fsdp_by_hand import train_worker
 
 MiB = 2**20
@@ -66,21 +67,24 @@ MiB = 2**20
 # - after `loss.backward()`, `finish_grad_sync()` waits for the last reduce-scatters (09.11),
 #   and AdamW steps the shards.
 #
-# Your FSDP on 2 ranks, in fp32 and with the blocks computing in bf16. The shards stay fp32;
-# only the gathered copies are cast.
+# Your FSDP on 2 ranks, in fp32 and with the blocks computing in 16 bits: bf16, or fp16 on a
+# GPU older than compute capability 8 (a T4), where bf16 is emulated
+# (`dpt.precision.low_precision_for`). The shards stay fp32; only the gathered copies are cast.
 
 # %%
 with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8", "09.9",
                  "09.10", "09.11"):
+    where = placement(2)
+    low = low_precision_for(where.device)  # "bf16", or "fp16" where bf16 is emulated
     runs = {}
-    for dtype in (None, torch.bfloat16):
-        runs[dtype] = run_distributed(train_worker, world_size=2, timeout=240, echo=False,
-                                      kwargs={"steps": 10, "compute_dtype": dtype})
-    fp32, bf16 = runs[None][0]["losses"], runs[torch.bfloat16][0]["losses"]
-    print("step  fp32 loss  bf16 loss")
-    for i, (a, b) in enumerate(zip(fp32, bf16)):
+    for name in ("fp32", low):
+        runs[name] = run_distributed(train_worker, world_size=2, timeout=240, echo=False,
+                                     kwargs={"steps": 10, "compute_dtype": DTYPES[name]})
+    print(f"2 ranks: {where.label}")
+    print(f"step  fp32 loss  {low} loss")
+    for i, (a, b) in enumerate(zip(runs["fp32"][0]["losses"], runs[low][0]["losses"])):
         print(f"{i:4d}  {a:9.4f}  {b:9.4f}")
-    for r in runs[None]:
+    for r in runs["fp32"]:
         print(f"rank {r['rank']} holds {r['memory']['shards'] / 1024:.0f} KiB of fp32 shards "
               f"(the model: {sum(p.numel() for p in TinyTransformer().parameters()) * 4 / 1024:.0f}"
               f" KiB), {r['memory']['gathered'] / 1024:.0f} KiB gathered between steps")
@@ -105,25 +109,38 @@ with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8",
 # reduce-scatter happened on each rank. Green bars are all-gathers in flight, grey is compute
 # waiting on one, and red ticks are frees. With prefetch, the next block's gather runs while
 # this one computes, so the grey shrinks. The times are from this machine as it is now (the
-# median over the steps in the printout). gloo reports a collective's end only when someone
-# waits on it, so a hatched bar ends where it was seen, not where it ended.
+# median of 3 runs in the printout, with the fastest and slowest). On the CPU they are the
+# host's clock; on a GPU they are read from the device (CUDA events on the compute stream), so
+# a gather ends when its kernels finished, not when it was queued, and grey is the time the
+# compute stream sat waiting. gloo reports some collectives' end only when someone waits on
+# them, so a hatched bar ends where it was seen, not where it ended. Both panels share one
+# time axis.
 
 # %%
 with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8", "09.9",
                  "09.10", "09.11"):
     waits = {}
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     for ax, prefetch in zip(axes, (True, False)):
         per_step = [schedule.record_step(2, prefetch=prefetch, steps=3) for _ in range(3)]
-        waits[prefetch] = sorted(schedule.summary(ev[0])["waiting"] for ev in per_step)[1]
+        waits[prefetch] = sorted(schedule.summary(ev[0])["waiting"] for ev in per_step)
         schedule.draw(per_step[-1], ax=ax, title=f"prefetch {'on' if prefetch else 'off'}")
     plt.tight_layout()
     plt.show()
-    print(f"rank 0 blocked on all-gathers, median of 3 runs: prefetch on "
-          f"{waits[True] * 1e3:.1f} ms, off {waits[False] * 1e3:.1f} ms")
-    if waits[True] >= waits[False]:
-        print("this measurement contradicts the text: prefetch did not hide the gathers here "
-              "(a busy machine shifts these times; re-run the cell)")
+    on, off = waits[True], waits[False]
+
+    def ms(w):
+        return f"{w[1] * 1e3:.1f} ms ({w[0] * 1e3:.1f} to {w[-1] * 1e3:.1f})"
+
+    print(f"rank 0 blocked on all-gathers ({schedule.clock_of(per_step[-1][0])}), median "
+          f"(fastest to slowest) of 3 runs: prefetch on {ms(on)}, off {ms(off)}")
+    if on[1] >= off[1] and on[0] <= off[-1]:
+        print("the runs overlap: with this much spread between runs the difference is noise "
+              "(a busy machine shifts these times); re-run the cell")
+    elif on[1] >= off[1]:
+        print("this measurement contradicts the text: in every run prefetch waited at least "
+              "as long; look at the picture for gathers longer than the compute they should "
+              "hide behind")
 
 # %% [markdown]
 # ## 3. The peak of one step, predicted and measured
@@ -133,9 +150,21 @@ with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8",
 # and their full gradients. `memory_table.predict_peak` adds them up for each method (09.13,
 # with the activations of 09.14-09.15). `dpt.memory.MemoryTracker` counts the bytes of every
 # live tensor as the step runs, because torch keeps no allocator statistics on the CPU.
+#
+# The prediction starts from what a rank keeps between steps, your `predict_bytes` of lesson
+# 08 (Task 08.1), so these two cells run it: `earlier=("08.1",)` says so. Until it is done in
+# your tree, they show the course's reference run of the same table, and say so in one line.
 
 # %%
-with needs_tasks("09.13", "09.14", "09.15"):
+def reference_rows(methods, sizes):
+    """What shows the rows of ``methods`` at ``sizes`` from the course's run of this table."""
+    return lambda path: print(mt.format_rows([
+        r for r in json.loads(path.read_text())["table"]
+        if r["method"] in methods and r["world_size"] in sizes]))
+
+
+with needs_tasks("09.13", "09.14", "09.15", earlier=("08.1",), reference="l09_memory.json",
+                 show=reference_rows(("ddp", "fsdp2"), (2,))):
     units = mt.units_of(TinyTransformer(**mt.CONFIG))  # the root unit first, then each block
     acts = mt.predicted_activations(batch=1)  # one sequence of 64 tokens per rank
     print(f"{sum(units):,} parameters; root unit {units[0]:,}, blocks {units[1]:,} each; "
@@ -147,12 +176,15 @@ with needs_tasks("09.13", "09.14", "09.15"):
 
 # %%
 with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8", "09.9",
-                 "09.10", "09.11", "09.13", "09.14", "09.15"):
+                 "09.10", "09.11", "09.13", "09.14", "09.15", earlier=("08.1",),
+                 reference="l09_memory.json", show=reference_rows(("fsdp",), (2, 4))):
     measured = {("fsdp", n): run_distributed(mt.measure_worker, world_size=n, timeout=120,
                                              kwargs={"method": "fsdp", "batch": 1}, echo=False)
                 for n in (2, 4)}
     print("your FSDP:")
     print(mt.format_rows(mt.table_rows(measured, batch=1)))
+    for n in (2, 4):  # with fewer GPUs than ranks, the ranks share them (gloo)
+        print(f"N={n}: {placement(n).label}")
 
 # %% [markdown]
 # Every method at N = 2 and N = 4, from `benchmarks/bench_l09_memory.py`. This is your latest
@@ -217,7 +249,7 @@ with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8",
     fig, ax = plt.subplots(figsize=(5, 3))
     for r, c in ((on, "C0"), (off, "C1")):
         ax.scatter(r["step_ms"], r["held_after_forward"] / 1024, color=c, label=r["run"])
-    ax.set(xlabel=f"ms per step (rank 0, {ranks_device(2)})",
+    ax.set(xlabel=f"ms per step (rank 0; 2 ranks, {placement(2).label})",
            ylabel="KiB held whole after forward", title="reshard_after_forward: memory against time")
     ax.legend(fontsize=8)
     plt.show()
@@ -231,13 +263,14 @@ with needs_tasks("09.1", "09.2", "09.3", "09.4", "09.5", "09.6", "09.7", "09.8",
 # Every rank writes its own shards of the model and of Adam's state into one folder, at the
 # same time (09.21). The folder's `.metadata` records which piece of which tensor lies where,
 # so any number of ranks can load it (09.22). Here one checkpoint is saved at 2 ranks after
-# step 3 and resumed at 1, 2 and 4 ranks:
+# step 3 and resumed at 1, 2 and 4 ranks. The last column says where each run's ranks
+# computed: on a machine with fewer GPUs than ranks, they share the GPUs with gloo.
 
 # %%
 with needs_tasks("09.17", "09.18", "09.19", "09.20", "09.21", "09.22"):
     for row in dc.resume_demo(world_sizes=(1, 2, 4), steps=6, save_at=3):
         print(f"{row['run']:<28} {' '.join(f'{v:.6f}' for v in row['losses'])}   "
-              f"largest gap {row['max_gap']:.1e}")
+              f"largest gap {row['max_gap']:.1e}   {row['ranks']}")
 
 # %% [markdown]
 # A save cut short leaves no `.metadata`. The check fails in one line on every rank, instead

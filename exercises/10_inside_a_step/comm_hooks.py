@@ -279,22 +279,26 @@ def train_worker(rank: int, world_size: int, hook: str = "none", seed: int = 0,
 
 # --- given: the CLI --------------------------------------------------------------------------------
 
-def mean_ci(values: list[float]) -> dict:
-    """Mean and 95% t-interval over seeds (``lo``/``hi`` None from a single seed)."""
-    mean, lo, hi = stats.mean_ci(values)
+def mean_ci(values: list[float], positive: bool = False) -> dict:
+    """Mean and 95% t-interval over seeds (``lo``/``hi`` None from a single seed). With
+    ``positive`` (times): the geometric mean and a t-interval on the logarithms, which never
+    goes below zero (``dpt.stats.positive_ci``)."""
+    mean, lo, hi = (stats.positive_ci if positive else stats.mean_ci)(values)
     return {"mean": mean, "lo": lo, "hi": hi, "values": values}
 
 
 def summarize(results: dict[str, list[list[dict]]]) -> list[dict]:
     """Per hook, over seeds: bytes per step (the same every seed), and the step time (each
-    seed's slower rank), test accuracy and loss, each as mean and 95% interval."""
+    seed's slower rank), test accuracy and loss, each as mean and 95% interval (the step
+    time's a geometric mean, its interval on log times: never below zero)."""
     rows = []
     for hook, runs in results.items():
         rows.append({
             "hook": hook, "seeds": len(runs), "steps": runs[0][0]["steps"],
             "bytes_per_step": mean_ci([ranks[0]["bytes_per_step"] for ranks in runs]),
             "predicted_bytes": runs[0][0]["predicted_bytes"],
-            "step_ms": mean_ci([1000 * max(r["step_s"] for r in ranks) for ranks in runs]),
+            "step_ms": mean_ci([1000 * max(r["step_s"] for r in ranks) for ranks in runs],
+                               positive=True),
             "accuracy": mean_ci([100 * ranks[0]["accuracy"] for ranks in runs]),
             "test_loss": mean_ci([ranks[0]["test_loss"] for ranks in runs])})
     return rows
@@ -371,8 +375,12 @@ def main(argv=None) -> int:
         raw = run_hooks(args.hooks, args.seeds, args.epochs, args.nproc, args.timeout,
                         powersgd={"rank": args.powersgd_rank})
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
+    from dpt.ranks import placement
+
+    print(f"{args.nproc} rank(s), {placement(args.nproc).label}:")
     print(format_rows(summarize(raw)))
     return 0
 

@@ -11,7 +11,10 @@
 # | communication hooks: bf16 by hand, PowerSGD, bytes per step | 10.8-10.10 | `comm_hooks.py` |
 # | a hang clinic: reproduce, diagnose, fix | 10.11-10.15 | `hang_clinic.py` |
 #
-# The parts stand alone: do them in any order. Each cell runs inside `with needs_tasks(...)`
+# The parts do not need each other: do them in any order. Part 1 also runs your code of
+# lessons 05 and 09: it traces your DDPs (Tasks 05.2-05.9) and your FSDP (09.1-09.12, 09.17).
+# A method whose task is not done there is left out of the table, and the timeline shows the
+# course's reference run instead, saying so. Each cell runs inside `with needs_tasks(...)`
 # where it uses your code; a cell that reaches a task you have not done yet prints
 # `skipped: this cell needs Task 10.K` and the rest of the notebook still runs. Edits to your
 # lesson files are picked up when you re-run a cell. The ranks run functions from the lesson's
@@ -117,6 +120,15 @@ with needs_tasks("10.1", "10.2"):
 # The step time is the median of 3 steps without the profiler (it slows the traced step).
 # The communication time is what gloo's threads spent in collectives, waiting for the other
 # rank included.
+#
+# What counts as communication depends on where the ranks ran (the table's last lines say
+# which): on the CPU, gloo's spans; on GPUs with NCCL, the NCCL kernels' own times on the
+# device. On one GPU shared by the ranks (`DPT_SHARE_GPU=1`, what a one-GPU machine or Colab
+# runs) gloo works on CUDA tensors: its span starts on the CPU as soon as the collective is
+# issued, then waits for the copy of the gradient to the host, which waits for the backward's
+# kernels still running. Counted from the span's start, even the naive DDP would look hidden
+# behind its backward. The table (`tr.as_run`) counts each span from the moment its input
+# reached the host, and prints `n/c` (not comparable) where it cannot tell that moment.
 
 # %%
 with needs_tasks("10.1", "10.2", "10.3", "10.4"):
@@ -136,7 +148,9 @@ with needs_tasks("10.1", "10.2", "10.3", "10.4"):
 # the cores, so a busy machine shows gaps in the compute where a thread waited for a core.
 
 # %%
-with needs_tasks("10.1", "10.2", "10.3", "10.4"):
+with needs_tasks("10.1", "10.2", "10.3", "10.4",
+                 earlier=("05.2", "05.3", "05.4", "05.5", "05.6", "05.7", "05.8", "05.9"),
+                 reference="l10_timeline.png"):
     fig = tr.figure(ranks, ("naive", "bucketed"), path=None)
     plt.show()
 
@@ -156,12 +170,12 @@ with needs_tasks("10.1", "10.2", "10.3", "10.4"):
 
 # %%
 import compile_ddp as cdp
-from dpt.notebook import needs_tasks, ranks_device
-from dpt.ranks import run_distributed
+from dpt.notebook import needs_tasks
+from dpt.ranks import placement, run_distributed
 
-device = ranks_device(2)
+device = placement(2).device  # a GPU each, the GPUs shared, or the CPU
 problem = cdp.compiler_problem(device)
-print(f"ranks compute on: {device}; inductor here: {problem or 'available'}")
+print(f"2 ranks: {placement(2).label}; inductor here: {problem or 'available'}")
 # inductor compiles C++ on a CPU (tens of seconds on 2 cores): the CPU run uses aot_eager
 BACKEND = "inductor" if device == "cuda" and problem is None else "aot_eager"
 
@@ -293,13 +307,16 @@ with needs_tasks("10.8", "10.9", "10.10"):
 # %% [markdown]
 # ### Measured: bytes, step time, accuracy over seeds
 #
-# `benchmarks/bench_l10_comm_hooks.py` trains one epoch per hook and seed (3 seeds) and
-# reports each measure with its 95% interval over seeds. On one machine, gloo's all-reduce
+# `benchmarks/bench_l10_comm_hooks.py` trains one epoch per hook and seed (`--seeds`, 3 by
+# default; the run below prints how many it used, and so does its figure's title) and reports
+# each measure with its 95% interval over seeds (the step time's a geometric mean, its interval
+# on log times, so it never goes below zero). On one machine, gloo's all-reduce
 # is a memory copy: compression saves bytes, not time, and the step time shows what the
 # compression itself costs. The saving pays where the network is the bottleneck.
 
 # %%
 result = json.loads(bench_result("l10_comm_hooks.json").read_text())
+print(f"{result['seeds']} seeds, {result['epochs']:g} epoch(s) each, {result['nproc']} ranks")
 print(ch.format_rows(result["rows"]))
 from IPython.display import Image, display  # noqa: E402
 

@@ -248,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     while s <= args.max_mb * 2**20:
         sizes.append(s)
         s *= 4
-    run_distributed(collectives.check_collectives, world_size=args.world_size, echo=False)
-    result = run_distributed(collectives.time_all_reduce, world_size=args.world_size,
-                             args=(sizes, args.repeats), timeout=600, echo=False)[0]
+    try:
+        run_distributed(collectives.check_collectives, world_size=args.world_size, echo=False)
+        result = run_distributed(collectives.time_all_reduce, world_size=args.world_size,
+                                 args=(sizes, args.repeats), timeout=600, echo=False)[0]
+    except RuntimeError as exc:  # a rank failed (dpt.ranks.RankFailure)
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     for row in result["rows"]:
         print(f"{row['bytes']:>10d} B  ring {row['ring_s'] * 1e3:9.3f} ms   "
               f"dist.all_reduce {row['torch_s'] * 1e3:9.3f} ms")

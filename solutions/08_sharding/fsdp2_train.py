@@ -214,8 +214,9 @@ def main(argv=None) -> int:
             kwargs={"mode": args.mode, "steps": args.steps, "batch_size": args.batch_size,
                     "lr": args.lr, "data": args.data, "save": args.save, "progress": True})
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     r0 = results[0]
     losses = r0["losses"]
     k = max(1, len(losses) // 10)

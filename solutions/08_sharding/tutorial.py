@@ -23,7 +23,6 @@ from dpt.notebook import (
     dataset_label,
     needs_gpus,
     needs_tasks,
-    ranks_device,
     script_env,
     use_lesson,
 )
@@ -40,7 +39,7 @@ import fsdp2_train as ft
 import zero_accounting as acc
 import zero_optimizer as zo
 from dpt.models import ConvNet, count_parameters
-from dpt.ranks import run_distributed
+from dpt.ranks import placement, run_distributed
 
 # %% [markdown]
 # Each cell below runs inside `with needs_tasks(...)`, which names the tasks it uses. A cell
@@ -161,8 +160,8 @@ with needs_tasks("08.2", "08.3"):
 # FSDP all-gathers its parameters, after it frees them, and in backward it reduce-scatters the
 # block's gradients, so a rank's gradients and Adam state are 1/N as well. It runs on CPU
 # with gloo too. We train the ConvNet on Fashion-MNIST with 2 ranks, and the same with DDP:
-# on the GPUs when this machine has one per rank, else on the CPU (`ranks_device(2)` says
-# which).
+# on the GPUs when this machine has any (sharing them with gloo when there are fewer GPUs
+# than ranks), else on the CPU (`placement(2).label` says which).
 
 # %%
 runs = {}
@@ -178,7 +177,7 @@ with needs_tasks():  # the methods that ran
     for mode, ranks in runs.items():
         ax.plot(ranks[0]["losses"], label=mode, ls="-" if mode == "ddp" else "--")
     ax.set(xlabel="step", ylabel="loss (mean over ranks)",
-           title=f"{' and '.join(m.upper() for m in runs)}, 2 ranks on {ranks_device(2)}, "
+           title=f"{' and '.join(m.upper() for m in runs)}, 2 ranks, {placement(2).label}, "
                  f"{dataset_label(SETUP['data'])}")
     ax.legend()
     plt.show()

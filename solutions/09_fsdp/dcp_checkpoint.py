@@ -124,21 +124,24 @@ def train_worker(rank: int, world_size: int, steps: int = 6, seed: int = 0,
 def resume_demo(world_sizes=(1, 2, 4), steps: int = 6, save_at: int = 3,
                 folder: str | Path | None = None, timeout: float = 300) -> list[dict]:
     """Train ``steps`` steps at 2 ranks, saving at ``save_at``; resume from that checkpoint at
-    each of ``world_sizes``. One row per run: the losses of the steps after ``save_at``, and
-    the largest gap from the uninterrupted run's."""
-    from dpt.ranks import run_distributed
+    each of ``world_sizes``. One row per run: the losses of the steps after ``save_at``, the
+    largest gap from the uninterrupted run's, and where its ranks computed (``ranks``: a GPU
+    each with NCCL, several sharing the GPUs with gloo when there are fewer GPUs than ranks,
+    or the CPU)."""
+    from dpt.ranks import placement, run_distributed
 
     with tempfile.TemporaryDirectory(prefix="dcp-demo-") as tmp:
         ckpt = str(Path(folder or tmp) / f"step{save_at}")
         full = run_distributed(train_worker, world_size=2, timeout=timeout, echo=False,
                                kwargs={"steps": steps, "save_at": save_at, "folder": ckpt})
         base = full[0]["losses"][save_at:]
-        rows = [{"run": "uninterrupted, 2 ranks", "losses": base, "max_gap": 0.0}]
+        rows = [{"run": "uninterrupted, 2 ranks", "losses": base, "max_gap": 0.0,
+                 "ranks": placement(2).label}]
         for n in world_sizes:
             r = run_distributed(train_worker, world_size=n, timeout=timeout, echo=False,
                                 kwargs={"steps": steps, "resume": ckpt})[0]
             rows.append({"run": f"resumed at step {r['start']}, {n} rank(s)",
-                         "losses": r["losses"],
+                         "losses": r["losses"], "ranks": placement(n).label,
                          "max_gap": max(abs(a - b) for a, b in zip(r["losses"], base))})
     return rows
 
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         if args.demo:
             for row in resume_demo(steps=args.steps, timeout=args.timeout):
                 print(f"{row['run']:<28} losses {' '.join(f'{v:.5f}' for v in row['losses'])}"
-                      f"   max gap {row['max_gap']:.1e}")
+                      f"   max gap {row['max_gap']:.1e}   ({row['ranks']})")
             return 0
         if args.resume:
             check_dcp_checkpoint(args.resume)  # before starting any rank
@@ -174,8 +177,9 @@ def main(argv=None) -> int:
             kwargs={"steps": args.steps, "save_at": args.save_at, "folder": args.folder,
                     "resume": args.resume, "export": args.export})
     except (CheckpointError, ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     r0 = results[0]
     print(f"{args.nproc} rank(s), steps {r0['start']}..{args.steps}: losses "
           + " ".join(f"{v:.5f}" for v in r0["losses"]))

@@ -351,18 +351,25 @@ def main(argv=None) -> int:
             raise ValueError(f"--nproc must divide the global batch of {GLOBAL_BATCH}")
         if not 1 <= args.steps <= 10_000 or args.prefetch < 0:
             raise ValueError("--steps must be 1..10000 and --prefetch at least 0")
+        from dpt.precision import compute_format
+        from dpt.ranks import placement, run_distributed
+
+        if args.bf16 or args.compare:  # task 09.17's policy is bf16: say where it is emulated
+            _, note = compute_format("bf16", placement(args.nproc).device)
+            if note:
+                print(note, file=sys.stderr)
         if args.compare:
             print(format_rows(compare(args.nproc, args.steps, timeout=args.timeout)))
             return 0
-        from dpt.ranks import run_distributed
 
         results = run_distributed(
             practice_worker, world_size=args.nproc, timeout=args.timeout, echo=False,
             kwargs={"steps": args.steps, "bf16": args.bf16, "prefetch": args.prefetch,
                     "reshard_after_forward": not args.no_reshard})
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     losses = results[0]["losses"]
     print(f"FSDP2 on {args.nproc} rank(s){', bf16' if args.bf16 else ''}"
           f"{', no reshard' if args.no_reshard else ''}: loss {losses[0]:.4f} -> "

@@ -51,6 +51,7 @@ its own, an all-reduce followed by keeping one's own chunk gives the same number
 
     .venv/bin/python solutions/09_fsdp/fsdp_by_hand.py                  # 2 CPU ranks, gloo
     .venv/bin/python solutions/09_fsdp/fsdp_by_hand.py --dtype bf16     # compute in bf16
+    .venv/bin/python solutions/09_fsdp/fsdp_by_hand.py --dtype auto     # bf16, or fp16 on a T4
     .venv/bin/python solutions/09_fsdp/fsdp_by_hand.py --no-prefetch --nproc 4
 
 ``schedule.py`` (beside this file) records when each gather, compute, free and reduce-scatter
@@ -168,10 +169,9 @@ class Unit:
         if self.handle is None:
             raise RuntimeError(f"unit {self.name}: wait() with no gather pending; "
                                "call gather() first")
-        start = time.perf_counter()
-        self.handle.wait()
+        with self.timeline.waiting(self.name):  # logged: how long the compute sat here
+            self.handle.wait()
         self.handle = None
-        self.timeline.span(self.name, "wait", start, time.perf_counter())
 
     @instant("free")
     def free(self) -> None:
@@ -203,10 +203,9 @@ class Unit:
         """Wait for the pending reduce-scatter: ``self.grad_shard`` then holds the result."""
         if self.grad_handle is None:
             raise RuntimeError(f"unit {self.name}: wait_grad() with no reduce-scatter pending")
-        start = time.perf_counter()
-        self.grad_handle.wait()
+        with self.timeline.waiting(self.name):
+            self.grad_handle.wait()
         self.grad_handle = self.grad_full = None
-        self.timeline.span(self.name, "wait", start, time.perf_counter())
 
 
 class FSDP(nn.Module):
@@ -297,7 +296,8 @@ class FSDP(nn.Module):
     def events(self) -> list[dict]:
         """What was recorded: dicts with ``unit``, ``kind`` (gather, wait, compute, free,
         reduce_scatter), ``phase`` (forward or backward), ``start`` and ``end``
-        (``time.perf_counter()`` seconds; ``end`` of a collective: when it completed)."""
+        (``time.perf_counter()`` seconds; ``end`` of a collective: when it completed; on a
+        GPU read from the device, see ``schedule.Timeline``)."""
         return self.timeline.events
 
     def _register_hooks(self) -> None:
@@ -546,7 +546,7 @@ def compare_with_one_process(world_size: int = 2, steps: int = 3, batch_size: in
 
 
 def main(argv=None) -> int:
-    from dpt.precision import DTYPES
+    from dpt.precision import DTYPES, compute_format
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks: one per GPU with NCCL when "
@@ -554,8 +554,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8, help="per rank")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                    help="the dtype the units compute in; the shards stay fp32")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"], default="fp32",
+                    help="the dtype the units compute in; the shards stay fp32. auto: bf16, "
+                         "or fp16 on a GPU of compute capability below 8 (bf16 is emulated)")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
@@ -563,8 +564,11 @@ def main(argv=None) -> int:
         if args.nproc < 1 or args.steps < 1 or args.batch_size < 1:
             raise ValueError("--nproc, --steps and --batch-size must be at least 1")
         from dpt.dist import threads_per_rank
-        from dpt.ranks import run_distributed
+        from dpt.ranks import placement, run_distributed
 
+        args.dtype, note = compute_format(args.dtype, placement(args.nproc).device)
+        if note:
+            print(note, file=sys.stderr)
         results = run_distributed(
             train_worker, world_size=args.nproc, backend="auto", timeout=args.timeout,
             threads=threads_per_rank(args.nproc), echo=False,
@@ -572,8 +576,9 @@ def main(argv=None) -> int:
                     "compute_dtype": DTYPES[args.dtype], "prefetch": not args.no_prefetch,
                     "progress": True})
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     losses = results[0]["losses"]
     k = max(1, len(losses) // 10)
     print(f"FSDP by hand on {args.nproc} rank(s), {args.dtype} compute, prefetch "

@@ -95,7 +95,7 @@ def predict_peak(method: str, units: list[int], world_size: int, activation_byte
         buffers = grads / n  # one owner's gradients, flattened for its reduce
         peak = params + state + max(activation_bytes, grads + buffers)
     else:
-        # BEGIN SOLUTION 09.13: when backward starts: shards and state, the units gathered at once (the root stays gathered), their full gradients, every activation
+        # BEGIN SOLUTION 09.13: when backward starts: shards and state, the root and the largest block gathered (plus the next largest when prefetching), the full gradients of the root and the largest block, every activation
         root, blocks = units[0], sorted(units[1:], reverse=True)
         gathered = root + blocks[0] + (blocks[1] if prefetch and len(blocks) > 1 else 0)
         buffers = gathered * param_bytes + (root + blocks[0]) * grad_bytes
@@ -241,8 +241,9 @@ def main(argv=None) -> int:
                                             echo=False)
                     for n in args.nproc for m in args.methods}
     except (ValueError, RuntimeError) as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     print(f"TinyTransformer {CONFIG}, Adam fp32, {args.batch} sequence(s) per rank; "
           "MiB per rank, predicted / measured")
     print(format_rows(table_rows(measured, args.batch)))

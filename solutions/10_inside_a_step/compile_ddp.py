@@ -40,7 +40,6 @@ __import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -383,7 +382,7 @@ def cap_arg(text: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dpt.ranks import default_backend, run_distributed
+    from dpt.ranks import placement, run_distributed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="count",
@@ -399,11 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     if too_small:
         parser.error(f"--caps {too_small[0]:g} is below DDP's first bucket "
                      f"({FIRST_BUCKET_BYTES / MiB:g} MiB)")
-    gpu = default_backend(args.nproc) == "nccl" or os.environ.get("DPT_SHARE_GPU") == "1"
-    backend = pick_backend(args.backend, "cuda" if gpu else "cpu")
-    print(f"{args.nproc} ranks, backend {backend}, caps {args.caps} MiB", flush=True)
-    out = run_distributed(worker, args.nproc, args=(backend, args.caps, args.bench),
-                          timeout=600)[0]
+    where = placement(args.nproc)  # NCCL, the GPUs shared with gloo, or the CPU
+    backend = pick_backend(args.backend, where.device)
+    print(f"{args.nproc} ranks ({where.label}), backend {backend}, caps {args.caps} MiB",
+          flush=True)
+    try:
+        out = run_distributed(worker, args.nproc, args=(backend, args.caps, args.bench),
+                              timeout=600)[0]
+    except RuntimeError as exc:  # a rank failed (dpt.ranks.RankFailure)
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     report(out, backend)
     return 0
 

@@ -23,7 +23,12 @@ and a duration ``dur``, both in microseconds, a process ``pid`` and a thread ``t
   thread goes on computing the backward;
 - on a GPU with NCCL, the execution is a kernel (``"cat": "kernel"``) whose name contains
   ``nccl``, on its own stream; every kernel has an ``args["correlation"]`` that matches the
-  ``cuda_runtime`` (or ``cuda_driver``) event of the CPU thread that launched it.
+  ``cuda_runtime`` (or ``cuda_driver``) event of the CPU thread that launched it;
+- on a GPU shared by the ranks (gloo with CUDA tensors, ``DPT_SHARE_GPU=1``), both: the
+  backward's kernels, and ``gloo:...`` spans that start when the collective is issued and
+  first wait for its input's copy to the host, which waits for the kernels queued before it.
+  The table (:func:`summary`) counts such a span from the moment its input reached the host
+  (:func:`as_run`): the wait for the backward is not communication.
 
 Tasks: 10.1 :func:`read_trace`, 10.2 :func:`comm_intervals` and :func:`compute_intervals`,
 10.3 :func:`merge` and :func:`overlap`, 10.4 :func:`hidden_fraction`.
@@ -38,6 +43,7 @@ __import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
     "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -58,6 +64,7 @@ from dpt.data import REPO_ROOT  # noqa: E402
 
 OUT = REPO_ROOT / "benchmarks" / "runs" / "lessons" / "l10_traces"  # git ignores runs/
 FIGURE = REPO_ROOT / "benchmarks" / "runs" / "lessons" / "l10_timeline.png"
+REFERENCE_FIGURE = REPO_ROOT / "benchmarks" / "reference" / "lessons" / "l10_timeline.png"
 METHODS = ("torch_ddp", "naive", "overlap", "bucketed", "fsdp", "fsdp2")
 LABELS = {"torch_ddp": "torch DDP", "naive": "naive (05)", "overlap": "overlapped (05)",
           "bucketed": "bucketed (05)", "fsdp": "FSDP by hand (09)", "fsdp2": "FSDP2"}
@@ -230,6 +237,64 @@ def hidden_fraction(events: list[Event], phase: str = "backward") -> dict:
     # END SOLUTION
 
 
+# --- given: the communication as it ran, in each mode the course runs ---------------------------
+
+MODES = {"cpu": "gloo on the CPU: gloo's spans",
+         "nccl": "NCCL on GPUs: the kernels' times",
+         "shared": "gloo on a GPU shared by the ranks (DPT_SHARE_GPU=1): gloo's spans from "
+                   "the moment their input reached the host"}
+
+
+def comm_mode(events: list[Event]) -> str:
+    """How the trace's collectives ran: ``"cpu"`` (gloo, CPU tensors), ``"nccl"`` (kernels on
+    a GPU) or ``"shared"`` (gloo with CUDA tensors: ranks sharing a GPU, ``DPT_SHARE_GPU=1``,
+    the only multi-rank mode a one-GPU machine or Colab runs)."""
+    if not on_gpu(events):
+        return "cpu"
+    return "shared" if any(e.name.startswith("gloo:") for e in events) else "nccl"
+
+
+def _launches(events: list[Event]) -> list[Event]:
+    """The collectives' launches (``c10d::...`` operators), outermost only, by start."""
+    calls = [e for e in events if e.cat == "cpu_op" and e.name.startswith("c10d::")]
+    return sorted((e for e in calls if not any(
+        o is not e and o.tid == e.tid and o.start <= e.start and e.end <= o.end
+        and (o.start, -o.end) < (e.start, -e.end) for o in calls)), key=lambda e: e.start)
+
+
+def as_run(events: list[Event]) -> list[Event] | None:
+    """The events with each collective's span covering its communication only.
+
+    On the CPU (gloo) and with NCCL (kernels on the device) that is what the trace holds. With
+    gloo on CUDA tensors (``"shared"``) a ``gloo:...`` span starts on gloo's CPU thread as soon
+    as the collective is issued, and first waits for the device-to-host copy of its input,
+    which waits for every kernel queued before the collective, the backward still running on
+    the GPU: that wait is not communication. Here each such span starts no earlier than the
+    end of the device work (kernels, device-to-host copies) launched before its collective's
+    launch (``c10d::...``) returned; gloo runs the collectives in the order they were issued,
+    so the k-th span is the k-th launch's. None where spans and launches do not pair up: the
+    trace cannot say when the communication began.
+    """
+    if comm_mode(events) != "shared":
+        return events
+    spans = sorted((e for e in events if e.name.startswith("gloo:")), key=lambda e: e.start)
+    launches = _launches(events)
+    if len(spans) != len(launches) or any(c.start > s.start for c, s in zip(launches, spans)):
+        return None
+    launched = {e.args["correlation"]: e.start for e in events
+                if e.cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.args}
+    device = [(launched[e.args["correlation"]], e.end) for e in events
+              if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")
+              and "nccl" not in e.name.lower() and "HtoD" not in e.name
+              and e.args.get("correlation") in launched]
+    starts = {}
+    for call, span in zip(launches, spans):
+        ready = max((end for t, end in device if t <= call.end), default=span.start)
+        starts[id(span)] = min(max(span.start, ready), span.end)
+    return [dataclasses.replace(e, start=starts[id(e)]) if id(e) in starts else e
+            for e in events]
+
+
 # --- given: one traced step per method, on every rank -----------------------------------------
 
 def _task_message(exc: NotImplementedError) -> str:
@@ -374,7 +439,10 @@ def result_of(ranks: list[dict], method: str) -> list[dict]:
 
 def summary(ranks: list[dict], rank: int = 0) -> list[dict]:
     """One row per traced method, from rank ``rank``'s trace: step time, communication, the
-    fraction hidden behind the backward; a method not traced has its task message."""
+    fraction hidden behind the backward (of the communication as it ran, :func:`as_run`),
+    ``mode`` (:func:`comm_mode`) and ``comparable``: False where the trace cannot say when the
+    communication began (``hidden_ms`` and ``fraction`` are then None); a method not traced
+    has its task message."""
     rows = []
     for method in ranks[rank]:
         result = ranks[rank][method]
@@ -383,9 +451,14 @@ def summary(ranks: list[dict], rank: int = 0) -> list[dict]:
             continue
         events = read_trace(result["path"])
         step = phase_spans(events, "forward")[:1] + phase_spans(events, "optimizer")[-1:]
+        ran = as_run(events)
+        measured = hidden_fraction(events if ran is None else ran)
+        if ran is None:
+            measured.update(hidden_ms=None, fraction=None)
         rows.append({"method": method, "step_ms": result["step_ms"],
                      "traced_ms": step[-1][1] - step[0][0] if len(step) == 2 else None,
-                     **hidden_fraction(events), "path": result["path"]})
+                     **measured, "mode": comm_mode(events), "comparable": ran is not None,
+                     "path": result["path"]})
     return rows
 
 
@@ -397,8 +470,15 @@ def format_summary(rows: list[dict]) -> str:
         if "skipped" in r:
             lines.append(f"{label:<19} skipped: {r['skipped']}")
             continue
-        frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
+        frac = ("n/c" if not r.get("comparable", True)
+                else "-" if r["fraction"] is None else f"{r['fraction']:.0%}")
         lines.append(f"{label:<19} {r['step_ms']:>8.1f} {r['comm_ms']:>8.1f} {frac:>7}")
+    modes = sorted({r["mode"] for r in rows if "mode" in r})
+    if modes:
+        lines.append("communication: " + "; ".join(MODES[m] for m in modes))
+    if any(not r.get("comparable", True) for r in rows if "skipped" not in r):
+        lines.append("n/c: not comparable: gloo's spans on a shared GPU could not be matched "
+                     "to their launches, so the time they waited for the GPU is not known")
     return "\n".join(lines)
 
 
@@ -455,15 +535,19 @@ def figure(ranks: list[dict], methods=("naive", "bucketed"), path: str | Path | 
     from matplotlib.patches import Patch
 
     # everything that may stop at a task not done yet, before a figure exists
-    traced = [read_trace(result_of(ranks, method)[rank]["path"]) for method in methods]
+    read = [read_trace(result_of(ranks, method)[rank]["path"]) for method in methods]
+    ran = [as_run(events) for events in read]  # communication as it ran (shared GPU: trimmed)
+    traced = [events if timed is None else timed for events, timed in zip(read, ran)]
     shares = [hidden_fraction(events)["fraction"] for events in traced]
     drawn = [lanes(events) for events in traced]
     fig, axes = plt.subplots(len(methods), 1, figsize=(10, 1.9 * len(methods) + 0.6),
                              sharex=True, squeeze=False)
-    for ax, method, events, share, rows in zip(axes[:, 0], methods, traced, shares, drawn):
-        hidden = "no communication" if share is None else f"{share:.0%} of comm hidden"
-        draw_timeline(events, ax, f"{LABELS.get(method, method)}: {hidden} behind backward",
-                      rows)
+    for ax, method, events, share, rows, timed in zip(axes[:, 0], methods, traced, shares,
+                                                      drawn, ran):
+        hidden = ("share hidden not comparable (gloo on a shared GPU)" if timed is None
+                  else "no communication" if share is None
+                  else f"{share:.0%} of comm hidden behind backward")
+        draw_timeline(events, ax, f"{LABELS.get(method, method)}: {hidden}", rows)
         ax.set_xlabel("")
     axes[-1, 0].set_xlabel("ms since the step's forward began (the traced step, rank "
                            f"{rank}; orange: a collective running)")
@@ -489,7 +573,12 @@ def main(argv=None) -> int:
         parser.error("--nproc must be at least 2: one rank has nothing to communicate")
     print(f"tracing {len(args.methods)} methods on {args.nproc} ranks, one step each after "
           f"warm-up ...", flush=True)
-    ranks = run_traces(args.methods, nproc=args.nproc, out=args.out)
+    try:
+        ranks = run_traces(args.methods, nproc=args.nproc, out=args.out)
+    except RuntimeError as exc:  # a rank failed (dpt.ranks.RankFailure)
+        from dpt.errors import report_error
+
+        return report_error(exc)  # the failed rank's cause, in one line
     try:
         rows = summary(ranks)
     except NotImplementedError as exc:
@@ -500,6 +589,10 @@ def main(argv=None) -> int:
     if drawn:
         figure(ranks, drawn, args.figure)
         print(f"timeline: {args.figure}")
+    left = [m for m in ("naive", "bucketed") if isinstance(ranks[0].get(m), str)]
+    if left:  # their lesson 05 code reached a task not done yet
+        print(f"no timeline of {' and '.join(left)}: {ranks[0][left[0]]} (lesson 05's code; "
+              f"the course's reference: {REFERENCE_FIGURE.relative_to(REPO_ROOT)})")
     print(f"traces: {args.out}/<method>.rank<r>.json; open one in https://ui.perfetto.dev "
           "(drag and drop)")
     return 0

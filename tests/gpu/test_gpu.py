@@ -24,6 +24,16 @@ gpu2 = pytest.mark.skipif(N_GPUS < 2, reason="needs 2 or more CUDA GPUs (NCCL, o
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
+def use_the_gpus(monkeypatch) -> None:
+    """Let ``run_distributed(backend="auto")`` place the ranks by this machine's GPUs.
+
+    The suite forces gloo on the CPU (``DPT_TEST_BACKEND=gloo``, tests/conftest.py); a test
+    that means the GPUs undoes it: NCCL with a GPU per rank, else the ranks share the GPU(s)
+    with gloo (``dpt.ranks.placement``)."""
+    monkeypatch.setenv("DPT_TEST_BACKEND", "auto")
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
+
+
 @gpu
 def test_precision_auto_is_bf16_only_where_the_gpu_has_it_natively():
     from dpt.precision import choose_precision
@@ -108,9 +118,12 @@ def test_ddp_autocast_on_nccl_keeps_ranks_in_sync(precision):
 def test_lesson_10_traces_on_the_gpu_hold_kernels_and_the_collectives(monkeypatch, tmp_path):
     """One traced step on the GPU(s): NCCL with a GPU per rank, else 2 gloo ranks sharing
     one GPU. The trace holds CUDA kernels, communication, and a hidden fraction in [0, 1]."""
+    from dpt.ranks import placement
+
     tr = load("10_inside_a_step", "traces")
-    if N_GPUS < 2:
-        monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    use_the_gpus(monkeypatch)
+    where = placement(2)
+    assert where.device == "cuda" and where.backend == ("nccl" if N_GPUS >= 2 else "gloo"), where
     ranks = tr.run_traces(("torch_ddp", "naive", "bucketed"), nproc=2, out=tmp_path,
                           timeout=240)
     for method in ("torch_ddp", "naive", "bucketed"):

@@ -262,6 +262,27 @@ def test_mean_interval_is_a_t_interval_and_conservative_between_rows_of_the_tabl
         t975(0)
 
 
+def test_a_positive_interval_is_a_t_interval_on_logs_and_never_below_zero():
+    from dpt.stats import mean_ci, positive_ci
+
+    # comm_hooks.py --seeds 2 printed a step time of 5.192 [-27.843, 38.226] ms: two seeds,
+    # 2.6 and 7.8 ms, and a plain t-interval with 1 degree of freedom (t = 12.706)
+    times = [2.6, 7.784]
+    assert mean_ci(times)[1] < 0  # the plain interval of a time goes below zero
+    g, lo, hi = positive_ci(times)
+    assert g == pytest.approx(math.sqrt(2.6 * 7.784))  # the geometric mean
+    logs = [math.log(t) for t in times]
+    _, log_lo, log_hi = mean_ci(logs)
+    assert (lo, hi) == (pytest.approx(math.exp(log_lo)), pytest.approx(math.exp(log_hi)))
+    assert 0 < lo < min(times) and max(times) < hi and lo * hi == pytest.approx(g * g)
+    assert positive_ci([4.0]) == (4.0, None, None)
+    assert positive_ci([3.0, 3.0, 3.0]) == (pytest.approx(3.0), pytest.approx(3.0),
+                                            pytest.approx(3.0))
+    for bad in ([1.0, 0.0], [2.0, -1.0], [1.0, float("nan")], []):
+        with pytest.raises(ValueError):
+            positive_ci(bad)
+
+
 def test_pairing_cancels_a_drift_that_hits_both_sides_of_a_round():
     # The machine slows down 2x between rounds; within each round the speedup is exactly 1.9.
     one, two = [100.0, 50.0, 25.0], [190.0, 95.0, 47.5]

@@ -57,10 +57,11 @@ def colab(monkeypatch):
     monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
 
 
-def test_one_gpu_two_ranks_the_notebooks_ranks_use_gloo_on_the_cpu(colab):
-    # run_distributed(..., backend="auto") with 2 ranks and 1 GPU: gloo, so rank_device() is
-    # the CPU in each rank (NCCL would need a GPU per rank).
-    assert ranks.default_backend(2) == "gloo"
+def test_one_gpu_two_ranks_the_notebooks_ranks_share_the_gpu_with_gloo(colab):
+    # run_distributed(..., backend="auto") with 2 ranks and 1 GPU: NCCL would need a GPU per
+    # rank, so gloo, with both ranks on the T4 (said in one line), not silently on the CPU.
+    where = ranks.placement(2)
+    assert (where.backend, where.device, where.shared) == ("gloo", "cuda", True)
     assert ranks.default_backend(1) == "nccl"
     # a single-process lesson takes the GPU
     assert pick_device("auto").type == "cuda"

@@ -191,6 +191,64 @@ def test_run_distributed_picks_gloo_and_a_gpu_per_rank_when_they_share(monkeypat
         torch.device("cuda", r % 2) for r in range(5)]
 
 
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_more_ranks_than_gpus_share_the_gpus_and_the_placement_says_so(monkeypatch, no_share,
+                                                                       gpus):
+    from dpt import ranks
+
+    _fake_gpus(gpus, monkeypatch)
+    where = ranks.placement(4)
+    if gpus == 0:  # a machine without CUDA: as always, gloo on the CPU
+        assert where == ("gloo", "cpu", False, "gloo (CPU)")
+    elif gpus >= 4:
+        assert where.backend == "nccl" and where.device == "cuda" and not where.shared
+    else:
+        assert (where.backend, where.device, where.shared) == ("gloo", "cuda", True), (
+            f"4 ranks on {gpus} GPU(s) ran as {where}: on a GPU machine the ranks must not "
+            "fall back to the CPU without a word; they share the GPUs with gloo")
+        assert f"sharing {gpus} GPU(s)" in where.label, where.label
+    assert ranks.default_backend(4) == where.backend
+    monkeypatch.setenv("DPT_TEST_BACKEND", "gloo")  # the suite keeps its ranks on the CPU
+    assert ranks.placement(4) == ("gloo", "cpu", False, "gloo (CPU)")
+
+
+def share_variable(rank, world_size):
+    return os.environ.get("DPT_SHARE_GPU")
+
+
+@pytest.mark.timeout(90)
+def test_run_distributed_shares_too_few_gpus_and_says_so_once(monkeypatch, no_share, capsys):
+    from dpt import ranks
+
+    _fake_gpus(1, monkeypatch)
+    monkeypatch.setattr(ranks, "_SAID", set(), raising=False)
+    for _ in range(2):
+        got = ranks.run_distributed(share_variable, 2, timeout=60, echo=False)
+        assert got == ["1", "1"], (
+            f"the ranks saw DPT_SHARE_GPU={got}: 2 ranks on 1 GPU must share it (gloo, rank r "
+            "on cuda:r % 1), not compute on the CPU while the GPU runs nothing")
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 1 and "2 ranks on 1 GPU(s)" in notes[0] and "share" in notes[0], notes
+
+
+@pytest.mark.parametrize("gpus, backend", [(1, "gloo"), (2, "nccl"), (8, "nccl")])
+def test_the_gpu_suites_traced_step_uses_the_gpus_this_machine_has(monkeypatch, gpus, backend):
+    """tests/gpu's lesson 10 trace: NCCL with 2+ GPUs, the ranks sharing one GPU otherwise.
+    It failed on every 2+ GPU node: the suite's DPT_TEST_BACKEND=gloo put its ranks on the
+    CPU, and the trace held no CUDA kernel."""
+    from dpt import ranks
+    from tests.gpu.test_gpu import use_the_gpus
+
+    _fake_gpus(gpus, monkeypatch)
+    monkeypatch.setenv("DPT_TEST_BACKEND", "gloo")  # as tests/conftest.py sets it
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
+    assert ranks.placement(2).device == "cpu"  # the suite's own rank functions
+    use_the_gpus(monkeypatch)
+    where = ranks.placement(2)
+    assert (where.backend, where.device, where.shared) == (backend, "cuda", gpus < 2), (
+        f"on {gpus} GPU(s) the GPU test's 2 ranks would run as {where}")
+
+
 @pytest.mark.timeout(60)
 def test_setup_joins_with_gloo_on_this_rank_s_share_of_the_gpus(monkeypatch, no_share):
     calls = _fake_gpus(2, monkeypatch)

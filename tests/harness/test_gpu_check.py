@@ -252,6 +252,176 @@ def test_an_item_needing_a_missing_module_is_skipped_with_the_reason(tmp_path):
     assert results[1]["reason"] == "needs 2 GPUs"
 
 
+def test_a_required_item_that_cannot_run_fails_saying_how_to_get_what_it_lacks(tmp_path):
+    """A missing tool must not turn the suite into a "skipped" line of a green checklist."""
+    suite = _fake("suite", "print(1)", needs=("pytest", "no_such_module_here"), required=True)
+    nb = _fake("notebooks", "print(1)", needs=("xdist",), required=True)
+    results = gpu_check.run_all([suite, nb], CORES[:1], 30, tmp_path, tmp_path / "logs",
+                                say=lambda line: None, poll=0.05)
+    status = {r["name"]: r for r in results}
+    assert status["suite"]["status"] == "fail" and "exit" not in status["suite"]
+    reason = status["suite"]["reason"]
+    assert len(reason.splitlines()) == 1
+    assert "no_such_module_here" in reason and "pytest," not in reason, reason
+    assert "pip install" in reason and "tools/offline_bundle.sh --install" in reason, reason
+    assert status["notebooks"]["status"] == "pass" and status["notebooks"]["exit"] == 0
+    assert "1 failed" in gpu_check.summary(results)
+
+
+@pytest.mark.parametrize("n_gpus,cores", MACHINES)
+def test_the_suite_and_the_notebooks_are_required_with_the_tools_they_run_on(n_gpus, cores,
+                                                                           tmp_path):
+    todo = gpu_check.items(n_gpus, cores, tmp_path)
+    required = {it.name for it in todo if it.required}
+    assert required == {"suite", "notebooks" + ("-shared" if n_gpus == 1 else "")}
+    for it in todo:
+        if it.required:
+            assert not it.skip
+            assert {"pytest", "pytest_timeout", "xdist", "nbclient", "nbformat", "ipykernel",
+                    "jupytext"} <= set(it.needs), it.name
+            assert it.xdist, f"{it.name}: the suite on one worker outlasts the cap"
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Every module the course imports at top level that is neither the standard library nor
+    one of its own files, with a file that imports it."""
+    import ast
+
+    files = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts]
+    own = {p.stem for p in files} | {part for p in files for part in p.relative_to(REPO).parts}
+    found: dict[str, str] = {}
+    for folder in ("dpt", "solutions", "tests", "benchmarks", "tools"):
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in own:
+                        found.setdefault(top, str(path.relative_to(REPO)))
+    return found
+
+
+# Imported behind a check that skips or falls back without them: the site's browser test, the
+# optional apex comparison of lesson 06.
+OPTIONAL_IMPORTS = {"selenium", "apex"}
+
+
+def test_the_required_items_need_every_module_the_course_imports():
+    found = _third_party_imports()
+    assert "matplotlib" in found and "nbclient" in found, "the scan finds nothing"
+    lacking = {m: f for m, f in found.items()
+               if m not in gpu_check.COURSE_NEEDS and m != "torch" and m not in OPTIONAL_IMPORTS}
+    assert not lacking, (f"imported but not in tools/gpu_check.py's COURSE_NEEDS: {lacking}; "
+                         "add it there (and to tools/offline_bundle.sh's PACKAGES)")
+
+
+def _bash_array(text: str, name: str) -> list[str]:
+    match = re.search(rf"^{name}=\(([^)]*)\)", text, re.M)
+    assert match, f"tools/offline_bundle.sh has no {name}=(...)"
+    return match.group(1).split()
+
+
+def test_the_offline_bundle_packs_what_the_required_items_need():
+    script = (REPO / "tools" / "offline_bundle.sh").read_text()
+    packages = _bash_array(script, "PACKAGES")
+    with_torch = _bash_array(script, "WITH_TORCH")
+    assert tuple(with_torch) == gpu_check.WITH_TORCH
+    needs = {m for it in gpu_check.items(1, 16, Path("/nonexistent")) if it.required
+             for m in it.needs}
+    for module in needs:
+        dist = gpu_check.DISTRIBUTIONS.get(module, module)
+        assert dist in packages or dist in with_torch, f"the bundle lacks {dist} ({module})"
+    # --install proves itself by importing every module the bundle is for
+    modules = re.search(r"^MODULES=(\S+)", script, re.M).group(1).split(",")
+    assert set(modules) == {m for m in needs
+                            if gpu_check.DISTRIBUTIONS.get(m, m) not in with_torch}
+    # resolved with their dependencies, for the target Python and platform
+    download = re.search(r"^download=\(([^)]*)\)", script, re.M | re.S).group(1)
+    assert "--no-deps" not in download and "--python-version" in download
+    assert re.search(r'^"\$\{download\[@\]\}" pip "\$\{PACKAGES\[@\]\}"$', script, re.M)
+
+
+@pytest.mark.timeout(120)
+def test_missing_tools_stop_the_run_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (7, 5))
+    monkeypatch.setattr(gpu_check, "machine", lambda cores: dict(INFO, cores=cores))
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(gpu_check, "items", lambda n, cores, tmp, **kw: [
+        _fake("suite", "print(1)", needs=("no_such_module_here",), required=True),
+        _fake("lesson", f"open({str(marker)!r}, 'w')", gpu="light")])
+    monkeypatch.setattr(gpu_check, "RECORDS", tmp_path / "docs" / "gpu-check")
+    code = gpu_check.main(["--out", str(tmp_path / "out"), "--commit", "--budget", "60"])
+    out, err = capsys.readouterr()
+    assert code == gpu_check.MISSING_TOOLS_EXIT != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "no_such_module_here" in lines[0], err
+    assert "offline_bundle.sh" in lines[0] and out == ""
+    assert not marker.exists(), "an item ran although the check could not be complete"
+    assert not (tmp_path / "docs").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_commit_refuses_a_checklist_in_which_a_required_item_did_not_run(tmp_path,
+                                                                        monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(gpu_check, "machine", lambda cores: dict(INFO, cores=cores))
+    monkeypatch.setattr(gpu_check, "items", lambda n, cores, tmp, **kw: [
+        _fake("suite", "import time; time.sleep(60)", gpu="light", timeout=1, required=True),
+        _fake("quick", "print('ok')", gpu="light", expect=("ok",))])
+    records = tmp_path / "docs" / "gpu-check"
+    monkeypatch.setattr(gpu_check, "RECORDS", records)
+    code = gpu_check.main(["--out", str(tmp_path / "out"), "--commit", "--budget", "60"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert len(err) == 1 and "refused" in err[0] and "suite (timed out" in err[0], err
+    assert not records.exists() or not list(records.iterdir()), "recorded all the same"
+    assert (tmp_path / "out" / "checklist.md").is_file(), "the checklist itself is still kept"
+    # --only without a required item: refused before anything runs
+    code = gpu_check.main(["--out", str(tmp_path / "out2"), "--commit", "--only", "quick"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "suite" in err[0], err
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (8, 0), (9, 0)])
+def test_low_precision_items_compute_in_what_the_course_s_rule_picks(capability, tmp_path):
+    """A T4 (7.5) emulates bf16: the course's own rule (dpt/precision.py) says fp16 there."""
+    from dpt.precision import low_precision_for
+
+    want = low_precision_for(capability)
+    assert want == ("bf16" if capability[0] >= 8 else "fp16")
+    cc = ".".join(map(str, capability))
+    for n_gpus, cores in MACHINES[:2]:
+        todo = gpu_check.items(n_gpus, cores, tmp_path, capability=capability)
+        by_hand = [it for it in todo if it.name.startswith("l09-fsdp-by-hand")]
+        fsdp2 = [it for it in todo if it.name.startswith("l09-fsdp2-")]
+        assert by_hand and fsdp2
+        for it in by_hand:
+            assert flag_value(it.argv, "--dtype") == want, it.name
+            assert f"{want} compute" in it.what and cc in it.what, it.what
+            assert re.search(it.expect[0], f"FSDP by hand on {it.cpus} rank(s), {want} "
+                             "compute, prefetch on")
+        for it in fsdp2:
+            assert ("--bf16" in it.argv) == (want == "bf16"), it.name
+            assert cc in it.what and ("bf16 policy" in it.what) == (want == "bf16"), it.what
+        if want == "fp16":  # nothing computes in bf16 where it is emulated
+            for it in todo:
+                words = " ".join(it.argv).split()
+                assert "--bf16" not in words, it.name
+                for flag in ("--dtype", "--precision"):
+                    if flag in words:
+                        assert flag_value(it.argv, flag) != "bf16", it.name
+
+
 INFO = {"gpus": ["NVIDIA H200", "NVIDIA H200"], "capabilities": ["9.0", "9.0"],
         "torch": "2.11.0+cu128", "cuda": "12.8", "driver": "570.133.20", "cores": 16,
         "python": "3.12.3", "date": "2026-11-26 10:00:00 UTC"}
@@ -281,8 +451,9 @@ def test_the_checklist_names_the_machine_the_time_and_every_item(tmp_path):
 def test_commit_puts_the_checklist_under_the_tracked_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.setattr(gpu_check, "machine", lambda cores: dict(INFO, cores=cores))
-    monkeypatch.setattr(gpu_check, "items", lambda n, cores, tmp: [
+    monkeypatch.setattr(gpu_check, "items", lambda n, cores, tmp, **kw: [
         _fake("quick", "print('ok')", gpu="light", expect=("ok",))])
     monkeypatch.setattr(gpu_check, "RECORDS", tmp_path / "docs" / "gpu-check")
     code = gpu_check.main(["--out", str(tmp_path / "out"), "--commit", "--budget", "60"])

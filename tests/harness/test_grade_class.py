@@ -119,6 +119,28 @@ def test_points_feed_the_gradebook_and_gradescope(tmp_path, monkeypatch):
     assert "08.1: AssertionError: no" in text and "3/4" in text
 
 
+def test_the_gradebook_and_the_reports_list_tasks_in_task_order(tmp_path):
+    """Lesson 09 has tasks 09.1-09.23: a text sort made the columns 09.1, 09.10, ..., 09.2."""
+    ids = ["09.10", "09.2", "09.1", "09.11", "09.3"]
+    course = gc.Course(REPO, {"09": "09_fsdp"}, {"09": "tests/l09_fsdp"},
+                       {"09": {f"t::{t}": t for t in ids}})
+    want = ["09.1", "09.2", "09.3", "09.10", "09.11"]
+    assert course.tasks("09") == want
+    long_reason = " ".join(f"reason{i}" for i in range(40))
+    entries = {t: dict(gc.new_entry(), failed=1, total=1, first_error=long_reason) for t in ids}
+    result = gc.SubmissionResult(gc.Submission("ann", tmp_path),
+                                 {"09": gc._finish(entries, {}, [], 1.0)})
+    gc.write_gradebook(tmp_path / "book.csv", course, [result])
+    header = (tmp_path / "book.csv").read_text().splitlines()[0].split(",")
+    assert header[1:6] == want, header
+    assert [t["number"] for t in gc.gradescope_results(course, result, None)["tests"]] == want
+    text = gc.feedback_text(course, result)
+    rows = [line.split()[1] for line in text.splitlines() if line.startswith("09      09.")]
+    assert rows == want, text
+    assert all(len(line) <= 100 for line in text.splitlines()), "a feedback line is too long"
+    assert long_reason in " ".join(text.split()), "a reason was cut in the feedback"
+
+
 def test_the_sandbox_cuts_the_network_where_the_machine_allows_it():
     found = sandbox.probe()
     if found["net"] != "ok":

@@ -8,6 +8,7 @@ report is tested on a small made-up lesson graded through the course's conftest,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,16 @@ import textwrap
 import pytest
 
 from tests.lessons import REPO
-from tests.scoring import error_line, failure_kind, stub_in, task_line, task_order, task_progress
+from tests.scoring import (
+    error_line,
+    failure_kind,
+    shorten_message,
+    stub_in,
+    task_line,
+    task_order,
+    task_progress,
+    wrap_line,
+)
 
 # ------------------------------------------------------------------ classifying one failure
 
@@ -128,11 +138,12 @@ def test_its_fixture_stops_at_the_stub(runs_the_students_code):
 '''
 
 
-def _grade_fake(tmp_path, *extra: str) -> list[str]:
-    """Grade a made-up lesson through the course's conftest (as a plugin), in a subprocess."""
+def _grade_fake(tmp_path, *extra: str, source: str = FAKE_LESSON) -> list[str]:
+    """Grade a made-up lesson through the course's conftest (as a plugin), in a subprocess,
+    on an 80-column terminal."""
     tests = tmp_path / "l05_fake"
     tests.mkdir()
-    (tests / "test_fake.py").write_text(textwrap.dedent(FAKE_LESSON))
+    (tests / "test_fake.py").write_text(textwrap.dedent(source))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    task(id): a task\n")
     (tmp_path / "tree").mkdir()
     proc = subprocess.run(
@@ -140,9 +151,21 @@ def _grade_fake(tmp_path, *extra: str) -> list[str]:
          "--rootdir", str(tmp_path), "-p", "tests.conftest", "-p", "no:cacheprovider",
          "-p", "no:randomly", "-p", "no:xdist", "--target", str(tmp_path / "tree"), "--grade",
          *extra, str(tests)],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "COLUMNS": "80"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout.splitlines()
+
+
+def _unwrapped(lines: list[str]) -> list[str]:
+    """The report's lines with the wrapped ones joined again (a continuation is indented)."""
+    out: list[str] = []
+    for line in lines:
+        if out and line.startswith("    ") and line.strip():
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+    return out
 
 
 def _first(lines: list[str], needle: str) -> int:
@@ -175,7 +198,7 @@ def test_the_table_comes_first_then_a_line_per_task_then_the_started_failures(
     assert "not started: walk the parameters" in todo[2], text
     assert "_stub(" not in text and "test_not_started[" not in text, text
     # The error pytest counts is said in one line; a fixture stopping at a stub is no error.
-    errors = [line for line in lines if line.startswith("error ")]
+    errors = [line for line in _unwrapped(lines) if line.startswith("error ")]
     assert len(errors) == 1 and "test_its_fixture_breaks: RuntimeError: FIXTURE-BROKE" in \
         errors[0], text
     assert "6 failed" in lines[-1] and "1 error" in lines[-1], lines[-1]
@@ -229,3 +252,55 @@ def test_tasks_sort_by_number_not_as_strings():
     """Lesson 09 has tasks 09.1-09.23: a string sort put 09.10 before 09.2 in the table."""
     assert sorted(["09.10", "09.2", "09.1", "08.3", "09.2a"], key=task_order) == \
         ["08.3", "09.1", "09.2", "09.2a", "09.10"]
+
+
+# ------------------------------------------------------------------ long messages
+
+
+def test_a_long_line_wraps_between_words_under_its_column():
+    words = [f"w{i}" * (1 + i % 7) for i in range(120)]
+    lines = wrap_line("09      09.13        2/7     FAIL  ", " ".join(words), 80)
+    assert len(lines) > 1 and all(len(line) <= 80 for line in lines), lines
+    assert all(line.startswith(" " * 35) and line[35] != " " for line in lines[1:]), lines
+    assert " ".join(lines).split()[4:] == words, "a word was cut or lost"
+    long_word = "x" * 120  # longer than the line: kept whole, never cut
+    assert "      " + long_word in wrap_line("task  ", f"see {long_word} here", 80)
+
+
+def test_only_a_huge_message_is_shortened_and_then_at_a_word_boundary():
+    message = " ".join(f"word{i}" for i in range(100))  # 589 characters: kept whole
+    assert shorten_message(message) == message
+    huge = " ".join(f"word{i}" for i in range(1000))
+    short = shorten_message(huge, limit=300)
+    assert len(short) <= 300 and short.endswith("pytest -v shows it whole]"), short
+    kept = short.split(" [...")[0].split()
+    assert kept == huge.split()[:len(kept)], "the kept words differ from the message's"
+    assert shorten_message("one\n  two\tthree") == "one two three"
+
+
+LONG_MESSAGE = " ".join(f"clue{i:03d}" for i in range(60))  # 479 characters, the last clue059
+
+LONG_LESSON = f'''
+import pytest
+
+
+@pytest.mark.task("09.13")
+def test_long_message():
+    assert False, "{LONG_MESSAGE}"
+'''
+
+
+@pytest.mark.timeout(150)
+def test_the_table_wraps_a_long_message_whole_within_the_terminal(tmp_path):
+    """Task 09.13's message (about 450 characters) was cut at 300, mid-word, in the table."""
+    lines = _grade_fake(tmp_path, source=LONG_LESSON)
+    text = "\n".join(lines)
+    table = _first(lines, "grade: ")
+    row = _first(lines, "09.13")
+    end = _first(lines, "09      score")
+    assert table < row < end, text
+    rows = lines[row:end]
+    assert all(len(line) <= 80 for line in rows), "\n".join(rows)
+    assert all(line.startswith(" " * 8) for line in rows[1:]), "\n".join(rows)
+    joined = " ".join(" ".join(rows).split())
+    assert LONG_MESSAGE in joined, f"the message was cut in the table:\n{text}"

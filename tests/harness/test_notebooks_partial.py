@@ -58,7 +58,8 @@ def needs_calls(source: str) -> list[tuple[int, list | None]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "needs_tasks":
             literal = all(isinstance(a, ast.Constant) and isinstance(a.value, str)
-                          for a in node.args) and not node.keywords
+                          for a in node.args) and all(
+                k.arg in ("earlier", "reference", "show") for k in node.keywords)
             calls.append((node.lineno, [a.value.removeprefix("Task ") for a in node.args]
                           if literal else None))
     return calls

@@ -128,6 +128,27 @@ def trainer_sampler_passes(rank, world_size, start_epoch, max_epochs):
                                      "the Trainer's epoch loop")}
 
 
+def progress_bar_text(rank, world_size):
+    """What one epoch of a Trainer with ``progress=True`` writes to this rank's stderr."""
+    import io
+    import sys
+
+    mod = _mod()
+    x, y = _data(16)
+    model = ConvNet()
+    loader = TensorLoader(x, y, batch_size=4, sampler=DistributedSampler(
+        range(len(x)), num_replicas=world_size, rank=rank))
+    trainer = mod.Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.01),
+                          rank_device(), progress=True)
+    trainer._run_batch = lambda source, targets: 0.0  # task 01.1 stood in for
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        trainer._run_epoch(0)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = err
+
+
 def ddp_steps(rank, world_size, x, y, per_rank, steps, lr):
     """Several Trainer steps; step s uses rank r's slice of global batch s. The ranks start
     from different weights: DDP must give them rank 0's."""

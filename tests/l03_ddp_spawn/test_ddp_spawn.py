@@ -269,6 +269,16 @@ def test_the_progress_flag_reaches_the_epoch_loop(monkeypatch):
         assert_progress_reaches_the_epoch_loop(mod, monkeypatch, train_one_epoch)
 
 
+@pytest.mark.timeout(120)
+def test_only_rank_0_draws_a_progress_bar():
+    """The ranks share one terminal: two bars would overwrite each other on one line."""
+    text = run_distributed(rank_fns.progress_bar_text, WS, timeout=100)
+    assert "epoch 0" in text[0], f"rank 0 drew no progress bar with progress=True: {text[0]!r}"
+    assert "epoch 0" not in text[1], (
+        f"rank 1 drew a progress bar too: {text[1][:200]!r}; only rank 0 should (the README "
+        "says only rank 0 prints): dpt.cli.batches hides it on the other ranks")
+
+
 @pytest.mark.timeout(60)
 def test_train_saves_every_save_every_epochs_and_prints_each_epoch_s_mean(tmp_path, capsys):
     # Trainer.train is given code: stand-ins for the epoch (03.4) and the save (03.5)

@@ -141,8 +141,8 @@ BUGS = [
         expect=r"each followed by a ReLU",
         why="the timeline's model has no ReLUs: one big linear map"),
     Bug("05.0-timeline-first-gradient", L05S, where="_ready_hook.ready",
-        find='log["ready"][layer_of[id(param)]] = time.perf_counter()',
-        replace='log["ready"].setdefault(layer_of[id(param)], time.perf_counter())',
+        find='log["ready"][layer_of[id(param)]] = stamp()',
+        replace='log["ready"].setdefault(layer_of[id(param)], stamp())',
         tests=(T05 + "test_a_layer_is_ready_when_its_last_gradient_is_in",),
         expect=r"ready when its LAST gradient is in",
         why="a layer is marked ready at its first gradient, not its last"),
@@ -153,10 +153,10 @@ BUGS = [
         expect=r"bytes are numel\(\) \* element_size\(\), not elements",
         why="the timeline's all-reduce sizes are elements, not bytes"),
     Bug("05.0-timeline-async-done-at-launch", L05S, where="timeline_rank.traced_all_reduce",
-        find="            if async_op:\n                work.get_future().add_done_callback(\n"
-        "                    lambda _fut, e=event: e.__setitem__(\"done\", time.perf_counter()))\n"
-        "            else:\n                event[\"done\"] = time.perf_counter()\n",
-        replace="            event[\"done\"] = time.perf_counter()\n",
+        find="            if async_op:\n                clock.on_end(work, lambda stamp, e=event: "
+        "e.__setitem__(\"done\", stamp))\n"
+        "            else:\n                event[\"done\"] = clock.now()\n",
+        replace="            event[\"done\"] = clock.now()\n",
         tests=(T05 + "test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock",),
         expect=r"done when its future completes",
         why="an async all-reduce is timed to its launch returning, not to its completion"),

@@ -1144,11 +1144,65 @@ def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatc
     assert not early, (
         f"async all-reduces {early} are marked done before finish_gradient_synchronization "
         f"(from {bucketed['sync'][0]} ms), where their wait() completes them: an async call is "
-        "done when its future completes (work.get_future().add_done_callback), not when the "
-        "launching call returns")
+        "done when its future completes (the clock's on_end: a callback of "
+        "work.get_future()), not when the launching call returns")
     assert out["config"]["grad_mb"] == round(grad_bytes / 2**20, 2), (
         f"grad_mb is {out['config']['grad_mb']} for {grad_bytes} bytes: MiB (/ 2**20), the "
         "unit of bucket_cap_mb")
+
+
+def test_on_a_gpu_the_timeline_reads_the_all_reduces_off_the_device(monkeypatch,
+                                                                    reference_parts):
+    """timeline_rank on a simulated GPU with NCCL-like all-reduces (tests/fake_device.py): each
+    takes 5 ms on the device, one after the other, while the host's calls return at once and
+    an async handle's future is complete when it is issued. The times must be the device's:
+    on the host's clock every all-reduce would be done the moment it was launched."""
+    import dpt.timing
+    from tests.fake_device import FakeDevice, FakeDeviceClock
+
+    demo = load(LESSON, "scratch_demo")
+    device = FakeDevice()
+    monkeypatch.setattr(dpt.timing, "clock_for", lambda *a, **k: FakeDeviceClock(device))
+
+    class DeviceSGD:  # each optimizer step: 2 ms of kernels on the compute stream
+        def __init__(self, params, lr):
+            self.params = list(params)
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.params:
+                p.grad = None
+
+        def step(self):
+            device.compute(0.002)
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        work = device.collective(0.005)
+        if async_op:
+            return work
+        work.wait()  # a blocking call on NCCL: the compute stream waits for it
+        return None
+
+    monkeypatch.setattr(torch.optim, "SGD", DeviceSGD)
+    with group_of_one():
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+        out = demo.timeline_rank(0, 1, batch=4, width=32, depth=2, bucket_cap_mb=0.01,
+                                 steps=1, warmup=1)
+    for name, run in out["runs"].items():
+        took = [round(e["done"] - e["launch"], 6) for e in run["allreduce"]]
+        assert took and min(took) >= 5, (
+            f"{name}: all-reduces done {took} ms after their launch, each took 5 ms on the "
+            "device: on a GPU a collective's end must come from the device (dpt.timing's "
+            "clock), not from the host, to which NCCL's handles look complete at once")
+        assert run["step"][1] - run["step"][0] == pytest.approx(2), (
+            f"{name}: the optimizer step took 2 ms on the device, the timeline says "
+            f"{run['step']}")
+        last = max(e["done"] for e in run["allreduce"])
+        assert run["sync"][1] == pytest.approx(last), (
+            f"{name}: the gradient sync ends when the compute stream has waited for the last "
+            f"all-reduce ({last} ms), the timeline says {run['sync']}")
+    naive = [round(e["done"] - e["launch"], 6) for e in out["runs"]["naive"]["allreduce"]]
+    assert naive == [5] * len(naive), f"naive's blocking all-reduces took {naive} ms"
 
 
 def test_the_step_split_stacks_communication_after_compute_and_saves(monkeypatch, tmp_path):

@@ -475,4 +475,13 @@ BUGS = [
         tests=(TP + "test_export_is_the_whole_model_for_a_plain_transformer",),
         expect=r"holds \['DTensor'\]",
         why="the sharded model's state_dict() saved as if it were the whole model"),
+    # --- given code: schedule.py's recorder
+    Bug("09.0-collective-end-on-the-host", "09_fsdp/schedule.py", where="Timeline.issued",
+        find="        if not clock.on_end(work, done):",
+        replace="        if not clock.on_end(work, lambda _stamp: done(clock.host_now())):",
+        tests=("tests/l09_fsdp/test_schedule.py::"
+               "test_on_the_device_clock_gathers_end_and_waits_last_as_on_the_device",),
+        expect=r"must be its end on the device",
+        why="a collective's end is the host's moment its future completed: under NCCL, its "
+            "issue"),
 ]

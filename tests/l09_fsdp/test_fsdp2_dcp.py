@@ -464,3 +464,30 @@ def test_the_script_refuses_a_partial_checkpoint_in_one_line(tmp_path):
                       timeout=100)
     line = one_line_error(proc)
     assert "partial" in line and str(tmp_path) in line, line
+
+
+@pytest.mark.parametrize("gpus, labels", [
+    (0, ["gloo (CPU)"] * 4),
+    # 2 GPUs: saved on NCCL, resumed at 4 ranks sharing the GPUs, and each row says so
+    (2, ["nccl, a GPU per rank"] * 3 + ["gloo, 4 rank(s) sharing 2 GPU(s)"]),
+])
+def test_resume_demo_says_where_each_runs_ranks_computed(monkeypatch, gpus, labels):
+    import dpt.ranks
+
+    dc = load(LESSON, "dcp_checkpoint")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("DPT_TEST_BACKEND", raising=False)
+    monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
+
+    def fake_run(fn, world_size=2, **kw):  # the losses do not matter here, the rows' words do
+        resumed = kw["kwargs"].get("resume") is not None
+        return [{"rank": r, "start": 3 if resumed else 0,
+                 "losses": [1.0, 0.9, 0.8] if resumed else [1.2, 1.1, 1.0, 1.0, 0.9, 0.8]}
+                for r in range(world_size)]
+
+    monkeypatch.setattr(dpt.ranks, "run_distributed", fake_run)
+    rows = dc.resume_demo(world_sizes=(1, 2, 4), steps=6, save_at=3)
+    assert [row.get("ranks") for row in rows] == labels, (
+        "every row of the resume table must say where its ranks computed: with fewer GPUs "
+        "than ranks they share the GPUs (gloo), and the table mixes that with NCCL runs")

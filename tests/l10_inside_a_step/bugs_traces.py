@@ -132,4 +132,12 @@ BUGS = [
         tests=(T + "test_hidden_fraction_of_other_phases_and_of_no_communication",),
         expect=r"against the phase asked for",
         why="the phase argument is dropped: every phase is measured against backward"),
+    # given code: the communication as it ran
+    Bug("10.0-shared-gpu-span-from-its-start", F, where="as_run",
+        find="        starts[id(span)] = min(max(span.start, ready), span.end)\n",
+        replace="        starts[id(span)] = span.start\n",
+        tests=(T + "test_naive_ddp_hides_nothing_in_every_mode",),
+        expect=r"that is not communication",
+        why="on a shared GPU gloo's span counts from its start, while it still waits for the "
+            "backward's kernels: the naive DDP looks hidden behind its backward"),
 ]

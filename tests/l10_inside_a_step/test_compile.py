@@ -223,3 +223,34 @@ def test_the_script_prints_graphs_against_buckets(cd):
 def test_the_script_refuses_a_cap_below_the_first_bucket(cd):
     proc = run_script(script(LESSON, "compile_ddp.py"), "--caps", "0.5", timeout=60)
     assert proc.returncode == 2 and "first bucket" in proc.stderr, proc.stderr
+
+
+class _Picked(Exception):
+    """Raised by the fake pick_backend: main has chosen where its ranks compute."""
+
+
+@pytest.mark.parametrize("gpus, share, device", [
+    (0, "1", "cpu"),     # DPT_SHARE_GPU=1 without CUDA changes nothing: the CPU
+    (1, "yes", "cuda"),  # "yes" shares as "1" does (dpt.device.shares_gpu)
+    (1, "", "cuda"),     # 2 ranks, 1 GPU: they share it rather than fall back to the CPU
+    (2, "", "cuda"),     # NCCL, a GPU per rank
+])
+def test_main_compiles_for_the_device_its_ranks_use(cd, monkeypatch, gpus, share, device):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("DPT_TEST_BACKEND", raising=False)
+    monkeypatch.setenv("DPT_SHARE_GPU", share)
+    seen = []
+
+    def fake_pick(name, device_type="cpu"):
+        seen.append(device_type)
+        raise _Picked
+
+    monkeypatch.setattr(cd, "pick_backend", fake_pick)
+    with pytest.raises(_Picked):
+        cd.main(["--nproc", "2"])
+    assert seen == [device], (
+        f"{gpus} GPU(s), DPT_SHARE_GPU={share!r}: main chose the compiler for {seen}, but the "
+        f"ranks compute on {device} (dpt.ranks.placement / dpt.device.shares_gpu decide it)")

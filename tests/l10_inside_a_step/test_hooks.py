@@ -264,6 +264,23 @@ def test_counter_sees_what_each_hook_sends_per_step():
 
 # --- given: the prediction the table prints beside the measurement ---------------------------------
 
+def test_the_step_time_interval_over_seeds_never_goes_below_zero():
+    """`comm_hooks.py --seeds 2` printed `5.192 [-27.843, 38.226]` ms: a plain t-interval
+    over two widely spread times. The table's step times are positive, always."""
+    ch = load(LESSON, "comm_hooks")
+
+    def run(seed, step_s):
+        return [{"steps": 10, "bytes_per_step": 1000, "predicted_bytes": 1000,
+                 "step_s": step_s * (1 + 0.01 * rank), "accuracy": 0.8 + 0.01 * seed,
+                 "test_loss": 0.5} for rank in range(2)]
+
+    rows = ch.summarize({"none": [run(0, 0.0026), run(1, 0.0078)]})
+    step = rows[0]["step_ms"]
+    assert 0 < step["lo"] < min(step["values"]) <= max(step["values"]) < step["hi"], step
+    cell = ch.format_rows(rows).splitlines()[1]
+    assert "-" not in cell, f"a negative time in the table: {cell}"
+
+
 def test_predicted_bytes_matches_the_model_shapes():
     ch = load(LESSON, "comm_hooks")
     model = MLP()
