@@ -37,7 +37,7 @@ from dpt.data import (
 )
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device, shares_gpu
 from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
-from dpt.errors import report_error
+from dpt.errors import one_line, report_error
 from dpt.models import MODELS, build_model
 from dpt.precision import check_request
 from dpt.ranks import RankFailure
@@ -111,15 +111,6 @@ def deterministic(on: bool = True) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def error_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type when it has none."""
-    if isinstance(exc, dist.DistNetworkError):
-        return (f"lost or never reached the rendezvous at {os.environ.get('MASTER_ADDR')}:"
-                f"{os.environ.get('MASTER_PORT')} ({str(exc).strip().splitlines()[0][:100]})")
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser,
          argv: list[str] | None = None) -> int:
     """Parse, validate, run; expected failures become ``error: ...`` and exit code 2."""
@@ -133,11 +124,8 @@ def main(run: Callable[[argparse.Namespace], object], p: argparse.ArgumentParser
         args = p.parse_args(argv)
         validate(args)
         run(args)
-    except RankFailure as exc:  # ranks of dpt.ranks.run_distributed (lesson 06's amp_inspect)
+    except (RankFailure, *EXPECTED, dist.DistError) as exc:  # RankFailure: amp_inspect's ranks
         return report_error(exc)
-    except (*EXPECTED, dist.DistError) as exc:
-        print(f"error: {error_line(exc)}", file=sys.stderr, flush=True)
-        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
@@ -219,7 +207,7 @@ def rank_errors(who: str):
         if os.environ.get(_PORT_CHOSEN) == "1" and ("failed to listen" in text
                                                     or "address already in use" in text):
             sys.exit(PORT_TAKEN)  # the launcher picked this port: it picks another and retries
-        print(f"error: {who}: {error_line(exc)}", file=sys.stderr, flush=True)
+        print(f"error: {who}: {one_line(exc)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

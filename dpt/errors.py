@@ -20,6 +20,8 @@ import sys
 import traceback as tb
 from typing import TextIO
 
+import torch.distributed as dist
+
 from dpt.ranks import RankFailure
 
 TRACEBACK_VAR = "DPT_TRACEBACK"
@@ -87,6 +89,11 @@ def _rank_line(exc: RankFailure) -> str:
     return f"{where} failed: {cause}" if failure.kind is not None else f"{where} {cause}"
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def one_line(exc: BaseException) -> str:
     """What stopped the script, in one line, without the ``error:`` in front.
 
@@ -97,11 +104,12 @@ def one_line(exc: BaseException) -> str:
     """
     if isinstance(exc, RankFailure):
         return _rank_line(exc)
+    if isinstance(exc, dist.DistNetworkError):
+        return (f"lost or never reached the rendezvous at {os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} ({_first_line(exc)[:100]})")
     text = str(exc).strip()
     found = task_line(text)
-    if found is not None:
-        return found
-    return text.splitlines()[0] if text else type(exc).__name__
+    return found if found is not None else _first_line(exc)
 
 
 def report_error(exc: BaseException, file: TextIO | None = None) -> int:

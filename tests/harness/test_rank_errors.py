@@ -137,3 +137,16 @@ def test_the_benchmark_records_a_failed_methods_cause_as_its_error(monkeypatch):
     assert out["status"] == "failed", out
     assert out["error"] == "rank 0 of 1 failed: RuntimeError: this method is broken on purpose", (
         out["error"])
+
+
+def test_a_lost_rendezvous_names_its_address(monkeypatch):
+    """dpt.cli's mains and dpt.errors share one line for a network error: where it was."""
+    import torch.distributed as dist
+
+    from dpt.errors import one_line
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    line = one_line(dist.DistNetworkError("connect() timed out\nmore detail"))
+    assert line == ("lost or never reached the rendezvous at 10.0.0.7:29511 "
+                    "(connect() timed out)"), line
