@@ -15,12 +15,13 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup site-setup data data-for-tests test grade carry grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
+.PHONY: help setup site-setup data data-for-tests test check-readme grade carry grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
 	@echo "make data         put MNIST and Fashion-MNIST under data/, md5-checked (offline: npm, Debian)"
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
+	@echo "make check-readme run every lesson README's How-to-run command on solutions/ (6-8 min, 2 cores)"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make carry        copy your answers from earlier lessons into the lessons that carry them (LESSON=03, FORCE=1)"
 	@echo "make grade-class SUBMISSIONS=DIR  grade a class: gradebook, feedback, Gradescope files"
@@ -62,6 +63,12 @@ data-for-tests: setup
 
 test: setup site-setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) $(LESSON_TESTS) $(PYTEST_ARGS)
+
+# Every command of the lesson READMEs' "How to run", as written, in a fresh copy per lesson;
+# `# long:`, `# GPU:`, `# cluster:`, `# by hand:` commands are skipped, saying why
+# (docs/maintainers.md). Not part of `make test` (marker readme).
+check-readme: setup data-for-tests
+	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:randomly -m readme tests/harness/test_readme_commands.py $(PYTEST_ARGS)
 
 # Grading first carries the tree's own earlier answers into the lessons that reuse them (a copy
 # edited by hand is kept and named; grading goes on either way). PYTEST_ARGS=-v: every traceback.

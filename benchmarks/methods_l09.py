@@ -4,8 +4,10 @@ gathers over fp32 master shards, gradients reduced in fp32) and FSDP2 with a bf1
 
 The 16-bit format follows the course's rule (``dpt.precision.low_precision_for``): on a GPU
 of compute capability below 8 (a T4, a V100) bf16 is emulated, so the hand-written FSDP
-computes in fp16 there, and its record says so in a note. FSDP2's policy is the one task
-09.17 writes, bf16: on such a GPU its record notes that bf16 is emulated.
+computes in fp16 there, and its record says so in a note. FSDP2 runs the policy task 09.17
+writes (bf16 params, fp32 reduce) with its 16-bit format swapped the same way there
+(:func:`sixteen_bit_policy`), noted too. Neither scales the loss: these are timings of a
+step, not training runs (fp16 training would need a gradient scaler).
 
 Both train lesson 09's ``TinyTransformer`` (4 blocks of width 128, 64 tokens; about 0.9 M
 parameters) on synthetic tokens with AdamW, whatever ``--model`` says: its blocks are the
@@ -16,6 +18,8 @@ every method costs two launches there. Peak memory per method: ``bench_l09_memor
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -95,17 +99,42 @@ def fsdp_by_hand_bf16(ctx: BenchContext):
     return _hand_fsdp(ctx)
 
 
+@contextlib.contextmanager
+def sixteen_bit_policy(dtype: torch.dtype):
+    """While building, task 09.17's bf16 ``MixedPrecisionPolicy`` computes in ``dtype`` instead.
+
+    The student's recipe stays as written (bf16 params, fp32 reduce); only the 16-bit format
+    follows the course's rule, as the hand-written FSDP's does. The swap wraps the lesson's
+    module from outside, for the duration of the build only.
+    """
+    import fsdp2_practice
+
+    made = fsdp2_practice.MixedPrecisionPolicy
+    if dtype == torch.bfloat16:
+        yield
+        return
+
+    def policy(*args, **kwargs):
+        if kwargs.get("param_dtype") == torch.bfloat16:
+            kwargs["param_dtype"] = dtype
+        return made(*args, **kwargs)
+
+    fsdp2_practice.MixedPrecisionPolicy = policy
+    try:
+        yield
+    finally:
+        fsdp2_practice.MixedPrecisionPolicy = made
+
+
 @method("fsdp2_bf16", "FSDP2 fully_shard per block, MixedPrecisionPolicy(bf16 params, fp32 "
-        "reduce), explicit prefetch, meta-device init")
+        "reduce; fp16 params on a GPU of compute capability below 8, noted), explicit "
+        "prefetch, meta-device init")
 def fsdp2_bf16(ctx: BenchContext):
     from fsdp2_practice import build_sharded
 
-    from dpt.precision import low_precision_for
-
     _needs_group("fsdp2_bf16")
-    model = build_sharded(seed=ctx.seed, bf16=True, config=CONFIG)
-    notes = [] if low_precision_for(ctx.device) == "bf16" else [
-        "bf16 is emulated on this GPU (compute capability below 8): task 09.17's policy is "
-        "bf16, so this is slower than the GPU's fp16"]
+    compute_dtype, notes = compute_format(ctx.device)
+    with sixteen_bit_policy(compute_dtype):
+        model = build_sharded(seed=ctx.seed, bf16=True, config=CONFIG)
     return (_step(model, torch.optim.AdamW(model.parameters(), lr=LR), _tokens(ctx)),
             _notes(ctx, notes))

@@ -3,9 +3,8 @@
 Lessons 01-04 build their parser with :func:`parser`, check it with :func:`validate` and run
 through :func:`main`, so a bad flag, missing data, a device the machine lacks or a broken
 checkpoint end the same way everywhere: one line ``error: ...`` on stderr and exit code 2.
-Lesson 01's data, model, optimizer and printed accuracy (:func:`train_and_evaluate`; lessons
-03 and 04 write them out in their own ``main``), the progress bar and ``--limit-batches``
-(:func:`batches`) and the checks around lesson 03's ``mp.spawn`` (``-n/-g/-nr``, the
+The progress bar and ``--limit-batches`` (:func:`batches`), the line a script prints before it
+trains (:func:`describe`) and the checks around lesson 03's ``mp.spawn`` (``-n/-g/-nr``, the
 rendezvous address, a free port: :func:`with_free_port`) live here too;
 lesson 06's ``--precision`` is checked here as well (its values and rules are in
 ``dpt.precision``).
@@ -27,23 +26,16 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from dpt.checkpoint import CheckpointError
-from dpt.data import (
-    MNIST,
-    DataError,
-    add_dataset_argument,
-    check_batch_size,
-    load_tensors,
-    prepare_distributed,
-)
+from dpt.data import MNIST, DataError, add_dataset_argument, check_batch_size
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device, shares_gpu
-from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, rank0_print
+from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
 from dpt.errors import one_line, report_error
-from dpt.models import MODELS, build_model
+from dpt.models import MODELS
 from dpt.precision import check_request
 from dpt.ranks import RankFailure
 
-__all__ = ["LaunchError", "batches", "describe", "main", "parser", "timed", "train_and_evaluate",
-           "validate", "with_free_port"]
+__all__ = ["LaunchError", "batches", "describe", "main", "parser", "timed", "validate",
+           "with_free_port"]
 
 
 EXPECTED = (ValueError, DataError, DeviceError, CheckpointError)
@@ -162,38 +154,6 @@ def timed(fn: Callable, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
-
-
-def train_and_evaluate(args: argparse.Namespace, device: torch.device,
-                       prepare_dataloader: Callable, trainer_class: type, evaluate: Callable,
-                       **trainer_options) -> dict:
-    """What a training lesson's script does once its process has a device, with the
-    lesson's own ``prepare_dataloader``, ``Trainer`` and ``evaluate``: the data (one rank's
-    share, in a process group), the model and SGD with momentum, training (the Trainer also
-    gets ``trainer_options``: where to checkpoint, what to resume from), the test accuracy.
-
-    Prints the accuracy (rank 0) and returns ``{"accuracy", "seconds", "history"}``.
-    """
-    deterministic(args.deterministic)
-    prepare_distributed(args.dataset)  # without a process group: plain ``prepare``
-    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
-    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
-    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
-    torch.manual_seed(args.seed)
-    model = build_model(args.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = trainer_class(model, train_data, optimizer, device, save_every=args.save_every,
-                            progress=args.progress, **trainer_options)
-    rank0_print(describe(args, device))
-    start = time.perf_counter()
-    losses = trainer.train(args.epochs, args.limit_batches)
-    seconds = time.perf_counter() - start
-    correct, total = evaluate(trainer.model, test_data, device)
-    if losses:
-        rank0_print(f"train loss {losses[-1]:.4f} | {seconds:.1f}s")
-    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
-    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
 
 
 @contextlib.contextmanager

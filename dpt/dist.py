@@ -1,9 +1,10 @@
 """Process-group plumbing every multi-process lesson shares.
 
-Lessons 03 and 04 join the group themselves (``dist.init_process_group``) after a one-line
-:func:`preflight` (threads, GPU, the ranks' agreement on the backend); later lessons and the
-tests join through :func:`setup`, which does all of it. Nothing in this module hard-codes a
-port.
+Lessons 03, 04 and 06 join the group themselves (``dist.init_process_group``) after a
+one-line :func:`preflight` (threads, GPU, the ranks' agreement on the backend); later lessons
+and the tests join through :func:`setup`, which chooses the device and backend too and joins.
+Both run the same sequence before the join (:func:`_before_joining`). Nothing in this module
+hard-codes a port.
 """
 
 from __future__ import annotations
@@ -136,32 +137,49 @@ def setup(rank: int | None = None, world_size: int | None = None, local_rank: in
     local_rank = env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
     local_world = local_world_size or env_int("LOCAL_WORLD_SIZE", world_size)
     dev = pick_device(device, distributed=True)
-    note = mps_note(dev) if rank == 0 else None
-    if note:
-        print(note, flush=True)
     if dev.type == "cuda":
         dev = gpu_for(local_rank)
     backend = backend_for(dev)
-    set_threads(threads or threads_per_rank(local_world))
+    store = _before_joining(rank, world_size, local_rank, local_world, dev, backend, threads,
+                            timeout_s)
+    if store is None:  # already in a group
+        return dev
+    # as init_process_group("env://") would do with the store it makes itself
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=dev if backend == "nccl" else None)
+    return dev
+
+
+def _before_joining(rank: int, world_size: int, local_rank: int, local_world_size: int,
+                    device: torch.device, backend: str, threads: int | None,
+                    timeout_s: float) -> dist.Store | None:
+    """The join sequence up to ``init_process_group``, for :func:`setup` and :func:`preflight`.
+
+    Rank 0 says what MPS lacks; this process gets ``threads`` CPU threads (by default its share
+    of the cores among the ``local_world_size`` processes of this machine), LOCAL_RANK is set
+    and the rendezvous address checked; ``device``, a GPU, becomes the current one. Then, unless
+    this process is in a group already (the result is None), the ranks meet on the store at
+    MASTER_ADDR:MASTER_PORT (:func:`rendezvous_store`) and check they all chose ``backend``
+    (:func:`agree_on_backend`); the store is returned, for ``init_process_group``.
+    """
+    device = torch.device(device)
+    note = mps_note(device) if rank == 0 else None
+    if note:
+        print(note, flush=True)
+    set_threads(threads or threads_per_rank(local_world_size))
     os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun would (mp.spawn does not)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
                           "ranks (dpt.dist.find_free_port() gives a free one)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        return dev
-    timeout = timedelta(seconds=timeout_s)
+        return None
     store = rendezvous_store(rank, world_size, timeout_s)
-    agree_on_backend(store, rank, world_size, backend, dev)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    # as init_process_group("env://") would do with the store it makes itself
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=timeout,
-                            device_id=dev if backend == "nccl" else None)
-    return dev
+    agree_on_backend(store, rank, world_size, backend, device)
+    return store
 
 
 _PREFLIGHT_STORE: list = []  # rank 0's store, alive until init_process_group reuses it
@@ -178,21 +196,9 @@ def preflight(args, rank: int, world_size: int, local_rank: int, local_world_siz
     on the store at MASTER_ADDR:MASTER_PORT that ``init_process_group`` then uses too (rank 0
     keeps it open; a TCPStore on the same port in the same process is shared).
     """
-    device = torch.device(device)
-    note = mps_note(device) if rank == 0 else None
-    if note:
-        print(note, flush=True)
-    set_threads(getattr(args, "threads", None) or threads_per_rank(local_world_size))
-    os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun would (mp.spawn does not)
-    if "MASTER_PORT" not in os.environ:
-        raise LaunchError("MASTER_PORT is not set: the launcher must choose one port for all "
-                          "ranks (dpt.dist.find_free_port() gives a free one)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = rendezvous_store(rank, world_size, getattr(args, "timeout", DEFAULT_TIMEOUT_S))
-    _PREFLIGHT_STORE[:] = [store]
-    agree_on_backend(store, rank, world_size, backend, device)
+    _PREFLIGHT_STORE[:] = [_before_joining(rank, world_size, local_rank, local_world_size,
+                                           device, backend, getattr(args, "threads", None),
+                                           getattr(args, "timeout", DEFAULT_TIMEOUT_S))]
 
 
 def rendezvous_store(rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S

@@ -123,6 +123,8 @@ _FAILURES = pytest.StashKey[list]()
 _COLLECTED = pytest.StashKey[dict]()
 _TEST_IDS = pytest.StashKey[dict]()
 _PENDING = pytest.StashKey[dict]()  # unmarked tests skipped for a task not done: task -> count
+_TIMES = pytest.StashKey[dict]()  # tests/<folder> -> [tests, seconds of setup+call+teardown]
+LESSON_BUDGET_S = 120  # a lesson whose tests take longer is named at the end of the run
 
 
 def pytest_report_header(config):
@@ -258,6 +260,11 @@ def pytest_runtest_logreport(report):
 
     A skipped test is neither passed nor failed: it is left out of the score and shown apart.
     """
+    parts = report.nodeid.split("/")
+    if len(parts) > 2 and parts[0] == "tests":
+        spent = _config.stash.setdefault(_TIMES, {}).setdefault(parts[1], [0, 0.0])
+        spent[0] += report.when == "call"
+        spent[1] += report.duration
     task = dict(report.user_properties).get("task")
     if report.skipped and task is None:  # counted here, where pytest -n's reports arrive too
         m = re.match(rf"{_NEEDS} (Task \d\d\.\d+[a-z]?), not done yet", _skip_reason(report))
@@ -332,7 +339,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                 tr.write_line(f"skipped {sum(pending.values())} unmarked test(s) that need a "
                               "task not done yet: "
                               + ", ".join(f"{t} ({n})" for t, n in sorted(pending.items(), key=lambda kv: task_order(kv[0]))))
+            times = config.stash.get(_TIMES, {})
+            if len(times) > 1:  # a run over several folders: where its time went
+                for line in time_table(times):
+                    tr.write_line(line)
             tr.write_line(_tree_note())
+
+
+def time_table(times: dict[str, list], budget_s: float = LESSON_BUDGET_S) -> list[str]:
+    """Where the run's test time went: one line per lesson's tests, the machinery's
+    (tests/harness) and the GPU tests, with their share; then one line per lesson over
+    ``budget_s`` (test seconds, summed over the workers)."""
+    total = sum(s for _, s in times.values()) or 1.0
+    lessons = {k: v for k, v in times.items() if re.fullmatch(r"l\d\d_\w+", k)}
+    lines = [f"test time by folder (seconds summed over workers; {total:.0f} s in all):"]
+    for name, (count, seconds) in sorted(times.items()):
+        lines.append(f"  {name:<24} {count:5d} tests {seconds:8.1f} s {100 * seconds / total:5.1f}%")
+    lesson_s = sum(s for _, s in lessons.values())
+    lines.append(f"  lessons' own tests {100 * lesson_s / total:.0f}%, machinery and others "
+                 f"{100 - 100 * lesson_s / total:.0f}%")
+    lines += [f"slow lesson: tests/{name} took {seconds:.0f} s, over the {budget_s:.0f} s a "
+              "lesson's tests may take (tests/conftest.py LESSON_BUDGET_S)"
+              for name, (_, seconds) in sorted(lessons.items()) if seconds > budget_s]
+    return lines
 
 
 def _grade_report(tr, config) -> None:

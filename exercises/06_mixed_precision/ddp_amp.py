@@ -199,6 +199,30 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     raise NotImplementedError("Task 01.3: your answer from lesson 01; run `make carry` to bring it here, or copy it by hand")
 
 
+def train_and_evaluate(args, device: torch.device) -> dict:
+    """The script's work on ``device``: the data, the model and its optimizer, training, and
+    the accuracy on the test set. Returns ``{"accuracy", "seconds", "history"}`` (the loss of
+    every step)."""
+    cli.deterministic(args.deterministic)
+    # in a process group (lesson 03 on), one process per machine unpacks the data
+    prepare_distributed(args.dataset)
+    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                      args.checkpoint, args.progress, resume_from=args.resume,
+                      precision=args.precision, max_norm=args.clip or None)
+    rank0_print(cli.describe(args, device))
+    seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+    correct, total = evaluate(trainer.model, test_data, device)
+    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+
+
 def main(local_rank: int, args) -> dict:
     """One process of the job (``mp.spawn`` starts it): join, build, train, test, leave.
 
@@ -206,23 +230,7 @@ def main(local_rank: int, args) -> dict:
     """
     rank, world_size, device = ddp_setup(local_rank, args)
     try:
-        cli.deterministic(args.deterministic)
-        prepare_distributed(args.dataset)  # one process per machine unpacks the data
-        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
-        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
-        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
-        torch.manual_seed(args.seed)
-        model = build_model(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
-                          args.checkpoint, args.progress, resume_from=args.resume,
-                          precision=args.precision, max_norm=args.clip or None)
-        rank0_print(cli.describe(args, device))
-        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
-        correct, total = evaluate(trainer.model, test_data, device)
-        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
-        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+        return train_and_evaluate(args, device)
     finally:
         raise NotImplementedError("Task 03.2: your answer from lesson 03; run `make carry` to bring it here, or copy it by hand")
 

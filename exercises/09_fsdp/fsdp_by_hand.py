@@ -58,7 +58,7 @@ its own, an all-reduce followed by keeping one's own chunk gives the same number
     .venv/bin/python exercises/09_fsdp/fsdp_by_hand.py --no-prefetch --nproc 4
 
 ``schedule.py`` (beside this file) records when each gather, compute, free and reduce-scatter
-happened, and draws one step's timeline.
+happened, by wrapping an FSDP object's methods from outside, and draws one step's timeline.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ __import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,9 +77,6 @@ from torch import nn
 
 from dpt.dist import rank_device
 from dpt.models import TinyTransformer, token_batch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-from schedule import Timeline, collective, computes, instant  # noqa: E402
 
 
 def shard_flat(tensors: list[torch.Tensor], rank: int,
@@ -115,10 +111,9 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, params: list[tuple[str, nn.Module, str]],
-                 index: int, group, compute_dtype: torch.dtype | None, timeline: Timeline):
+                 index: int, group, compute_dtype: torch.dtype | None):
         self.name, self.module, self.index, self.group = name, module, index, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.timeline = timeline
         self.names = [name for name, _, _ in params]
         self.slots = [(mod, attr) for _, mod, attr in params]
         tensors = [getattr(mod, attr) for mod, attr in self.slots]
@@ -134,7 +129,6 @@ class Unit:
         self.full.untyped_storage().resize_(0)  # nothing gathered yet
         self.handle = self.grad_handle = self.grad_shard = self.grad_full = None
 
-    @collective("gather")
     def gather(self) -> dist.Work:
         """Start gathering the whole unit into ``self.full`` and return the handle at once
         (``async_op=True``): give ``self.full`` its memory back and fill it with every rank's
@@ -158,11 +152,9 @@ class Unit:
         if self.handle is None:
             raise RuntimeError(f"unit {self.name}: wait() with no gather pending; "
                                "call gather() first")
-        with self.timeline.waiting(self.name):  # logged: how long the compute sat here
-            self.handle.wait()
+        self.handle.wait()
         self.handle = None
 
-    @instant("free")
     def free(self) -> None:
         """Release the gathered copy: ``self.full``'s memory and its gradient.
 
@@ -170,7 +162,6 @@ class Unit:
         the next gather fills the same tensor again."""
         raise NotImplementedError("Task 09.4: give back the storage's bytes (keep the tensor) and drop its gradient")
 
-    @collective("reduce_scatter")
     def reduce_scatter(self) -> dist.Work:
         """Start the reduce-scatter of the unit's gradient (``self.full.grad``) and return the
         handle at once (``async_op=True``).
@@ -184,8 +175,7 @@ class Unit:
         """Wait for the pending reduce-scatter: ``self.grad_shard`` then holds the result."""
         if self.grad_handle is None:
             raise RuntimeError(f"unit {self.name}: wait_grad() with no reduce-scatter pending")
-        with self.timeline.waiting(self.name):
-            self.grad_handle.wait()
+        self.grad_handle.wait()
         self.grad_handle = self.grad_full = None
 
 
@@ -200,8 +190,8 @@ class FSDP(nn.Module):
 
     ``parameters()`` are the flat fp32 shards, one per unit: give them to any optimizer, and
     call :meth:`finish_grad_sync` between ``loss.backward()`` and ``optimizer.step()``.
-    Set ``record = True`` to log each gather, compute, wait, free and reduce-scatter in
-    ``events`` (``schedule.py`` draws them).
+    ``schedule.record(fsdp)`` logs each gather, compute, wait, free and reduce-scatter of one
+    FSDP object, wrapping its methods from outside (``schedule.py`` draws them).
     """
 
     def __init__(self, module: nn.Module, units: list[nn.Module] | None = None,
@@ -220,12 +210,11 @@ class FSDP(nn.Module):
         self.module, self.group, self.prefetch = module, group, prefetch
         self.compute_dtype = compute_dtype
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.timeline = Timeline()
         self.param_names = [name for name, _ in module.named_parameters()]
         groups = self._assign(module, list(units))
-        self.units = [Unit(name, mod, params, i, group, compute_dtype, self.timeline)
+        self.units = [Unit(name, mod, params, i, group, compute_dtype)
                       for i, (name, mod, params) in enumerate(groups[1:])]
-        self.root = (Unit("root", module, groups[0][2], -1, group, compute_dtype, self.timeline)
+        self.root = (Unit("root", module, groups[0][2], -1, group, compute_dtype)
                      if groups[0][2] else None)
         self.all_units = ([self.root] if self.root else []) + self.units
         self.flat_shards = nn.ParameterList([unit.shard for unit in self.all_units])
@@ -265,22 +254,6 @@ class FSDP(nn.Module):
                 raise ValueError(f"unit {name} has no parameters")
         return groups
 
-    @property
-    def record(self) -> bool:
-        return self.timeline.on
-
-    @record.setter
-    def record(self, on: bool) -> None:
-        self.timeline.on = bool(on)
-
-    @property
-    def events(self) -> list[dict]:
-        """What was recorded: dicts with ``unit``, ``kind`` (gather, wait, compute, free,
-        reduce_scatter), ``phase`` (forward or backward), ``start`` and ``end``
-        (``time.perf_counter()`` seconds; ``end`` of a collective: when it completed; on a
-        GPU read from the device, see ``schedule.Timeline``)."""
-        return self.timeline.events
-
     def _register_hooks(self) -> None:
         """Hook each unit so that ``_pre_forward(unit)`` runs just before its module's
         forward, ``_post_forward(unit, output)`` just after it, and ``_post_backward(unit)``
@@ -295,7 +268,6 @@ class FSDP(nn.Module):
                         else x)
 
             args, kwargs = tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-        self.timeline.phase = "forward"
         if self.root is not None:
             self.root.handle = self.root.gather()
         if self.prefetch and self.units:
@@ -308,7 +280,6 @@ class FSDP(nn.Module):
             self.root.free()  # no backward will come to free it
         return output
 
-    @computes("forward", "start")
     def _pre_forward(self, unit: Unit) -> None:
         """Before ``unit`` computes: its parameters must be gathered, and its modules must use
         them. With ``self.prefetch``, also start the gather of the unit that runs next, so it
@@ -316,7 +287,6 @@ class FSDP(nn.Module):
         has ``unit.handle`` set."""
         raise NotImplementedError("Task 09.7: this unit's gather issued (unless pending), the next one's too if prefetching; wait for this one, use it")
 
-    @computes("forward", "end")
     def _post_forward(self, unit: Unit, output: torch.Tensor) -> None:
         """After ``unit`` computed: free its gathered parameters, and make sure that in
         backward ``_pre_backward(unit)`` runs before autograd computes its gradients (when
@@ -324,7 +294,6 @@ class FSDP(nn.Module):
         evaluation) there is no backward to prepare."""
         raise NotImplementedError("Task 09.8: free the unit; a hook on the output's gradient calls _pre_backward")
 
-    @computes("backward", "start")
     def _pre_backward(self, unit: Unit) -> None:
         """Before autograd computes ``unit``'s gradients: the forward freed its parameters, and
         backward needs them again (autograd saved the views ``use`` made: they need only the
@@ -332,7 +301,6 @@ class FSDP(nn.Module):
         unit whose backward comes next (backward runs the units in reverse)."""
         raise NotImplementedError("Task 09.9: gather again unless already pending, prefetch the previous unit, wait")
 
-    @computes("backward", "end")
     def _post_backward(self, unit: Unit) -> None:
         """``unit.full.grad`` holds the unit's whole gradient: start sending it (keep the
         handle in ``unit.grad_handle``), and free what is gathered."""
@@ -403,13 +371,12 @@ def rank_batch(step: int, rank: int, world_size: int, batch_size: int, model: Ti
 def train_worker(rank: int, world_size: int, steps: int = 5, batch_size: int = 8,
                  lr: float = 1e-3, compute_dtype: torch.dtype | None = None,
                  prefetch: bool = True, seed: int = 0, model_kwargs: dict | None = None,
-                 record_last: bool = False, progress: bool = False) -> dict:
+                 progress: bool = False) -> dict:
     """Train a TinyTransformer with :class:`FSDP` for ``steps`` AdamW steps on this rank.
 
-    Returns the losses (averaged over ranks), this rank's memory after the step, the seconds
-    per step, and, with ``record_last``, the last step's events. Every rank builds the same
-    model from ``seed`` and keeps its shards of it. Run on every rank with the process group
-    initialized (``dpt.ranks.run_distributed``).
+    Returns the losses (averaged over ranks), this rank's memory after the step and the
+    seconds per step. Every rank builds the same model from ``seed`` and keeps its shards of
+    it. Run on every rank with the process group initialized (``dpt.ranks.run_distributed``).
     """
     device = rank_device()
     torch.manual_seed(seed)
@@ -424,7 +391,6 @@ def train_worker(rank: int, world_size: int, steps: int = 5, batch_size: int = 8
     for step in bar:
         inputs, targets = (t.to(device) for t in rank_batch(step, rank, world_size, batch_size,
                                                             model, seed))
-        fsdp.record = record_last and step == steps - 1
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(fsdp(inputs), targets)
@@ -438,7 +404,7 @@ def train_worker(rank: int, world_size: int, steps: int = 5, batch_size: int = 8
     mean = torch.stack(losses).float()
     dist.all_reduce(mean)
     return {"rank": rank, "losses": (mean / world_size).tolist(), "memory": fsdp.memory(),
-            "step_seconds": times, "events": list(fsdp.events)}
+            "step_seconds": times}
 
 
 def full_params_worker(rank: int, world_size: int, steps: int = 3, batch_size: int = 4,

@@ -1,9 +1,10 @@
 """Lesson 09: one FSDP step, as it happened: gathers, compute, frees and reduce-scatters.
 
-:class:`fsdp_by_hand.FSDP` logs what it does when ``fsdp.record = True``: each all-gather and
-reduce-scatter from the moment it was issued to the moment it completed, each unit's forward
-and backward compute, the time the rank sat blocked in ``wait()``, and each ``free``. This
-module keeps that log (:class:`Timeline`), runs a few recorded steps on N ranks
+:func:`record` watches one :class:`fsdp_by_hand.FSDP` from outside: it wraps the methods of
+that object and of its units (fsdp_by_hand.py knows nothing of this module) and logs each
+all-gather and reduce-scatter from the moment it was issued to the moment it completed, each
+unit's forward and backward compute, the time the rank sat blocked in ``wait()``, and each
+``free``. This module keeps that log (:class:`Timeline`), runs a few recorded steps on N ranks
 (:func:`record_step`) and draws the last one (:func:`draw`): per rank a compute lane, a
 gather lane and a reduce-scatter lane on one time axis.
 
@@ -156,50 +157,138 @@ class Timeline:
             self.span(unit, "compute", start, self.now(), phase)
 
 
-# The decorators fsdp_by_hand.py puts on the methods you write, so that FSDP can log them
-# without your code doing anything.
+# Recording from outside: fsdp_by_hand.py does not import this module. record() puts a logging
+# wrapper around each method of one FSDP object and of its units, on the object itself (an
+# instance attribute in front of the class's method): the class, and the code you wrote in it,
+# stay as they are, and a method put on the class in place of yours is recorded the same way.
 
-def collective(kind: str):
-    """A Unit method that issues a collective and returns its handle: log it as ``kind``."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(unit, *args, **kwargs):
-            start = unit.timeline.now()
-            work = fn(unit, *args, **kwargs)
-            unit.timeline.issued(unit.name, kind, start, work)
-            return work
-        return method
-    return wrap
-
-
-def instant(kind: str):
-    """A Unit method that happens at once (``free``): log the moment it returned."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(unit, *args, **kwargs):
-            result = fn(unit, *args, **kwargs)
-            unit.timeline.mark(unit.name, kind)
-            return result
-        return method
-    return wrap
+def _collective(timeline: Timeline, unit, kind: str, method):
+    """A unit's method that issues a collective and returns its handle: log it as ``kind``."""
+    @functools.wraps(method)
+    def logged(*args, **kwargs):
+        start = timeline.now()
+        work = method(*args, **kwargs)
+        timeline.issued(unit.name, kind, start, work)
+        return work
+    return logged
 
 
-def computes(phase: str, edge: str):
-    """An FSDP hook method ``(self, unit, ...)``: the unit's ``phase`` compute starts when it
-    returns (``edge="start"``), or ended when it was called (``edge="end"``)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(fsdp, unit, *args, **kwargs):
-            if edge == "end":
-                fsdp.timeline.close(unit.name, phase)
-            else:
-                fsdp.timeline.phase = phase
-            result = fn(fsdp, unit, *args, **kwargs)
-            if edge == "start":
-                fsdp.timeline.open(unit.name, phase)
-            return result
-        return method
-    return wrap
+def _instant(timeline: Timeline, unit, kind: str, method):
+    """A unit's method that happens at once (``free``): log the moment it returned."""
+    @functools.wraps(method)
+    def logged(*args, **kwargs):
+        result = method(*args, **kwargs)
+        timeline.mark(unit.name, kind)
+        return result
+    return logged
+
+
+def _waited(timeline: Timeline, unit, method):
+    """A unit's ``wait`` or ``wait_grad``: log the time the compute sat in it."""
+    @functools.wraps(method)
+    def logged(*args, **kwargs):
+        with timeline.waiting(unit.name):
+            return method(*args, **kwargs)
+    return logged
+
+
+def _computes(timeline: Timeline, phase: str, edge: str, method):
+    """An FSDP hook method ``(unit, ...)``: the unit's ``phase`` compute starts when it returns
+    (``edge="start"``), or ended when it was called (``edge="end"``)."""
+    @functools.wraps(method)
+    def logged(unit, *args, **kwargs):
+        if edge == "end":
+            timeline.close(unit.name, phase)
+        else:
+            timeline.phase = phase
+        result = method(unit, *args, **kwargs)
+        if edge == "start":
+            timeline.open(unit.name, phase)
+        return result
+    return logged
+
+
+def _forward(timeline: Timeline, method):
+    """FSDP's ``forward``: the forward phase begins (the root's gather is logged in it)."""
+    @functools.wraps(method)
+    def logged(*args, **kwargs):
+        timeline.phase = "forward"
+        return method(*args, **kwargs)
+    return logged
+
+
+UNIT_METHODS = ("gather", "reduce_scatter", "free", "wait", "wait_grad")
+HOOKS = {"_pre_forward": ("forward", "start"), "_post_forward": ("forward", "end"),
+         "_pre_backward": ("backward", "start"), "_post_backward": ("backward", "end")}
+
+
+def watch_unit(unit, timeline: Timeline) -> None:
+    """Log one unit's collectives, frees and waits in ``timeline``: wraps its ``gather`` and
+    ``reduce_scatter`` (collectives issued), ``free`` and ``wait``/``wait_grad``, on the unit
+    object (anything with a ``name`` and these methods)."""
+    missing = [name for name in UNIT_METHODS if not callable(getattr(unit, name, None))]
+    if missing:
+        raise TypeError(f"unit {getattr(unit, 'name', unit)!r} has no {', '.join(missing)}: "
+                        "record() watches fsdp_by_hand.Unit objects")
+    unit.gather = _collective(timeline, unit, "gather", unit.gather)
+    unit.reduce_scatter = _collective(timeline, unit, "reduce_scatter", unit.reduce_scatter)
+    unit.free = _instant(timeline, unit, "free", unit.free)
+    unit.wait = _waited(timeline, unit, unit.wait)
+    unit.wait_grad = _waited(timeline, unit, unit.wait_grad)
+
+
+def record(fsdp, clock=None) -> Timeline:
+    """Log what ``fsdp`` (an :class:`fsdp_by_hand.FSDP`) does from now on; return the
+    :class:`Timeline` that keeps it, recording (set its ``on`` to False to pause; its
+    ``events`` are the log).
+
+    On this object only, it wraps each unit's methods (:func:`watch_unit`), ``forward`` (the
+    forward phase begins) and the four hooks ``_pre_forward``, ``_post_forward``,
+    ``_pre_backward`` and ``_post_backward``, whose calls open and close each unit's compute.
+    The hooks that ``_register_hooks`` put on the modules call them through the object
+    (``self._pre_forward(unit)``), and so reach the wrapped ones."""
+    if "_pre_forward" in vars(fsdp):  # an instance attribute: our wrapper
+        raise ValueError("this FSDP is already recorded: call record() once per object")
+    missing = [name for name in ("all_units", "forward", *HOOKS) if not hasattr(fsdp, name)]
+    if missing:
+        raise TypeError(f"{type(fsdp).__name__} has no {', '.join(missing)}: record() watches "
+                        "fsdp_by_hand.FSDP objects")
+    timeline = Timeline(clock)
+    timeline.on = True
+    for unit in fsdp.all_units:
+        watch_unit(unit, timeline)
+    fsdp.forward = _forward(timeline, fsdp.forward)
+    for name, (phase, edge) in HOOKS.items():
+        setattr(fsdp, name, _computes(timeline, phase, edge, getattr(fsdp, name)))
+    return timeline
+
+
+def record_worker(rank: int, world_size: int, steps: int = 3, batch_size: int = 8,
+                  prefetch: bool = True, model_kwargs: dict | None = None,
+                  compute_dtype=None, lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """Train ``steps`` AdamW steps of the hand-written FSDP on this rank, as its
+    ``train_worker`` does, recording the last one; return that step's events."""
+    import torch
+    from fsdp_by_hand import FSDP, loss_fn, rank_batch
+
+    from dpt.dist import rank_device
+    from dpt.models import TinyTransformer
+
+    device = rank_device()
+    torch.manual_seed(seed)
+    model = TinyTransformer(**(model_kwargs or {})).to(device)
+    fsdp = FSDP(model, compute_dtype=compute_dtype, prefetch=prefetch)
+    timeline = record(fsdp)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=lr)
+    for step in range(steps):
+        timeline.on = step == steps - 1
+        inputs, targets = (t.to(device) for t in rank_batch(step, rank, world_size, batch_size,
+                                                            model, seed))
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(fsdp(inputs), targets).backward()
+        fsdp.finish_grad_sync()
+        optimizer.step()
+    return list(timeline.events)
 
 
 def record_step(world_size: int = 2, prefetch: bool = True, steps: int = 3,
@@ -207,19 +296,17 @@ def record_step(world_size: int = 2, prefetch: bool = True, steps: int = 3,
                 timeout: float = 300) -> list[list[dict]]:
     """Train ``steps`` steps of the hand-written FSDP on ``world_size`` ranks; return the last
     step's events, one list per rank (the first steps warm up)."""
-    from fsdp_by_hand import train_worker
+    import schedule  # this module by name (also when run as a script): the ranks import it
 
     from dpt.dist import threads_per_rank
     from dpt.ranks import run_distributed
 
     model_kwargs = {"dim": 128, "heads": 4, "layers": 4, **(model_kwargs or {})}
-    results = run_distributed(
-        train_worker, world_size=world_size, timeout=timeout,
+    return run_distributed(
+        schedule.record_worker, world_size=world_size, timeout=timeout,
         threads=threads_per_rank(world_size), echo=False,
         kwargs={"steps": steps, "batch_size": batch_size, "prefetch": prefetch,
-                "model_kwargs": model_kwargs, "compute_dtype": compute_dtype,
-                "record_last": True})
-    return [r["events"] for r in results]
+                "model_kwargs": model_kwargs, "compute_dtype": compute_dtype})
 
 
 def summary(events: list[dict]) -> dict[str, float]:
@@ -275,7 +362,7 @@ def draw(events_by_rank, ax=None, title: str | None = None):
         events_by_rank = [events_by_rank]
     starts = [e["start"] for events in events_by_rank for e in events]
     if not starts:
-        raise ValueError("no events to draw: record a step with fsdp.record = True")
+        raise ValueError("no events to draw: record a step first (record(fsdp), record_step)")
     t0 = min(starts)
     if ax is None:
         _, ax = plt.subplots(figsize=(12, 1.2 + 1.3 * len(events_by_rank)))

@@ -3,9 +3,10 @@
 Everything later lessons distribute starts here: a ``Trainer`` whose ``_run_batch`` takes one
 optimization step, whose ``_run_epoch`` goes over the data once and whose ``train`` runs the
 epochs and saves checkpoints; an evaluation that counts correct answers over the whole test
-set; and a checkpoint that reloads into a fresh model. The shape is that of ``single_gpu.py``
-in PyTorch's DDP tutorial series. Lessons 03 and 04 grow this same file: their
-``CHANGES.diff`` shows what each one adds. Nothing here names a device:
+set; a checkpoint that reloads into a fresh model; and ``train_and_evaluate``, which puts them
+to work (data, model, optimizer, training, test accuracy) on the device ``main`` picks. The
+shape is that of ``single_gpu.py`` in PyTorch's DDP tutorial series. Lessons 03 and 04 grow
+this same file: their ``CHANGES.diff`` shows what each one adds. Nothing here names a device:
 ``dpt.device.pick_device`` chooses one and every tensor follows ``device``.
 
 Run it, from the repository root, on your own tree::
@@ -30,9 +31,10 @@ from torch import nn
 
 from dpt import checkpoint as ckpt
 from dpt import cli
-from dpt.data import TensorLoader
+from dpt.data import TensorLoader, load_tensors, prepare_distributed
 from dpt.device import pick_device
 from dpt.dist import rank0_print, set_threads
+from dpt.models import build_model
 
 
 def prepare_dataloader(x: torch.Tensor, y: torch.Tensor, batch_size: int,
@@ -149,15 +151,36 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     # END SOLUTION
 
 
-def run(args) -> dict:
-    """The whole script, on the one device this machine offers. Data, model, optimizer and the
-    printed accuracy are the same in every lesson: ``dpt.cli.train_and_evaluate`` does them
-    around this file's ``Trainer`` and ``evaluate``."""
+def train_and_evaluate(args, device: torch.device) -> dict:
+    """The script's work on ``device``: the data, the model and its optimizer, training, and
+    the accuracy on the test set. Returns ``{"accuracy", "seconds", "history"}`` (the loss of
+    every step)."""
+    cli.deterministic(args.deterministic)
+    # in a process group (lesson 03 on), one process per machine unpacks the data
+    prepare_distributed(args.dataset)
+    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                      args.checkpoint, args.progress, resume_from=args.resume)
+    rank0_print(cli.describe(args, device))
+    seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+    correct, total = evaluate(trainer.model, test_data, device)
+    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+
+
+def main(args) -> dict:
+    """The whole script, on the one device this machine offers: pick it, then train and
+    evaluate there (lesson 03's ``main`` joins a process group instead, and leaves it)."""
     device = pick_device(args.device)
     if args.threads:
         set_threads(args.threads)
-    return cli.train_and_evaluate(args, device, prepare_dataloader, Trainer, evaluate,
-                                  checkpoint_path=args.checkpoint, resume_from=args.resume)
+    return train_and_evaluate(args, device)
 
 
 def build_parser():
@@ -168,4 +191,4 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    sys.exit(cli.main(run, build_parser()))
+    sys.exit(cli.main(main, build_parser()))

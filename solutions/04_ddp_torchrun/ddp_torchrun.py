@@ -294,6 +294,29 @@ def load_snapshot(path: str | Path, model: nn.Module, optimizer: torch.optim.Opt
     # END SOLUTION
 
 
+def train_and_evaluate(args, device: torch.device) -> dict:
+    """The script's work on ``device``: the data, the model and its optimizer, training, and
+    the accuracy on the test set. Returns ``{"accuracy", "seconds", "history"}`` (the loss of
+    every step)."""
+    cli.deterministic(args.deterministic)
+    # in a process group (lesson 03 on), one process per machine unpacks the data
+    prepare_distributed(args.dataset)
+    x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
+    train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
+    x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
+    test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    trainer = Trainer(model, train_data, optimizer, device, args.save_every,
+                      args.snapshot, args.progress)
+    rank0_print(cli.describe(args, device))
+    seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
+    correct, total = evaluate(trainer.model, test_data, device)
+    rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
+    return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+
+
 def main(args) -> dict:
     """One worker of the job (torchrun starts it): join, build, train, test, leave.
 
@@ -301,22 +324,7 @@ def main(args) -> dict:
     """
     rank, world_size, device = ddp_setup(args)
     try:
-        cli.deterministic(args.deterministic)
-        prepare_distributed(args.dataset)  # one process per machine unpacks the data
-        x, y = load_tensors(args.dataset, train=True, limit=args.train_limit)
-        train_data = prepare_dataloader(x, y, args.batch_size, seed=args.seed)
-        x_test, y_test = load_tensors(args.dataset, train=False, limit=args.test_limit)
-        test_data = prepare_dataloader(x_test, y_test, 1000, shuffle=False)
-        torch.manual_seed(args.seed)
-        model = build_model(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        trainer = Trainer(model, train_data, optimizer, device, args.save_every,
-                          args.snapshot, args.progress)
-        rank0_print(cli.describe(args, device))
-        seconds = cli.timed(trainer.train, args.epochs, args.limit_batches)
-        correct, total = evaluate(trainer.model, test_data, device)
-        rank0_print(f"test accuracy: {correct / total:.4f} ({correct}/{total})")
-        return {"accuracy": correct / total, "seconds": seconds, "history": trainer.history}
+        return train_and_evaluate(args, device)
     finally:
         # BEGIN SOLUTION 03.2: copy your answer from lesson 03
         dist.destroy_process_group()

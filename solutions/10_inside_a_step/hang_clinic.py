@@ -51,7 +51,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-from hang_runner import TOOLS, evidence_found, run_case  # noqa: E402
+from hang_runner import TOOLS, Report, evidence_found, run_ranks  # noqa: E402
 
 LR = 0.1
 BATCHES = 3  # batches of the rank with the fewest (uneven, nonfinite)
@@ -350,6 +350,22 @@ CASES = {  # name: (broken, fixed, diagnosis)
 NO_DETAIL = {"uneven"}  # DDP segfaults under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo (torch 2.14)
 
 
+def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: int = 2,
+             timeout_s: float = 3.0, wall_s: float | None = None) -> Report:
+    """Run ``case`` (broken, or ``fixed``) on ``world_size`` gloo ranks with ``tool``, through
+    ``hang_runner.run_ranks``: it never hangs (the process group gives up after ``timeout_s``,
+    every rank is killed after ``wall_s``). Raises the task's ``NotImplementedError`` when the
+    ranks reached a task not done yet."""
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
+    if tool == "detail" and case in NO_DETAIL:
+        raise ValueError(f"case {case!r} uses DDP, which crashes under TORCH_DISTRIBUTED_DEBUG="
+                         "DETAIL on gloo (a segfault in torch 2.14): use --tool flight or stacks")
+    return run_ranks(CASES[case][1 if fixed else 0],
+                     f"case {case} ({'fixed' if fixed else 'broken'})", tool=tool,
+                     world_size=world_size, timeout_s=timeout_s, wall_s=wall_s)
+
+
 def check_case(case: str, world_size: int = 2, timeout_s: float = 3.0) -> list[str]:
     """Grade one case as the tests do: the diagnosis's evidence is in its tool's report on the
     broken code, and the fixed code finishes. One line per finding."""
@@ -384,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--ranks must be at least 2: a hang needs two ranks")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
-    import hang_clinic  # the ranks look the cases up by this module name
+    import hang_clinic  # this file by name (also when run as a script): the ranks import it
 
     if args.check:
         failed = []
@@ -406,8 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.case is None:
         parser.error("give --case (or --check)")
     try:
-        report = run_case(args.case, fixed=args.fixed, tool=args.tool, world_size=args.ranks,
-                          timeout_s=args.timeout)
+        report = hang_clinic.run_case(args.case, fixed=args.fixed, tool=args.tool,
+                                      world_size=args.ranks, timeout_s=args.timeout)
     except ValueError as e:
         sys.exit(f"error: {e}")
     except NotImplementedError as e:

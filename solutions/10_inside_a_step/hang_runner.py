@@ -1,8 +1,9 @@
 """Lesson 10: the hang clinic's safe runner (given code: read it, nothing to write here).
 
 A hang is dangerous to reproduce: two ranks wait for each other forever, and a notebook or a
-test that started them waits too. :func:`run_case` makes every hang of ``hang_clinic.py``
-end, and turns it into a report to read:
+test that started them waits too. :func:`run_ranks` runs a rank function it is given (the
+clinic's cases: ``hang_clinic.run_case`` hands them over; this module knows nothing of them)
+so that every hang ends, and turns it into a report to read:
 
 - the ranks are fresh processes (``dpt.ranks.run_distributed``) with a **short process-group
   timeout** (``timeout_s``, 3 s by default): a collective that waits longer raises on gloo;
@@ -54,10 +55,9 @@ STACK_EVERY_S = 0.5  # how often the stacks tool dumps a rank's stack
 
 @dataclass
 class Report:
-    """What one run of a case gave: ``finished`` when every rank returned without an error."""
+    """What one run gave: ``finished`` when every rank returned without an error."""
 
-    case: str
-    fixed: bool
+    name: str  # what ran, as the report's first line says ("case order (broken)")
     tool: str
     world_size: int
     finished: bool
@@ -123,12 +123,9 @@ def leave_after_every_rank_joined(store: dist.TCPStore, world_size: int, wait_s:
         pass
 
 
-def _rank_main(rank: int, world_size: int, case: str, fixed: bool, tool: str,
-               timeout_s: float, stack_dir: str) -> dict:
-    import hang_clinic  # the lesson module, by name: the ranks run the same code as the caller
-
-    fn = hang_clinic.CASES[case][1 if fixed else 0]
-    dist.set_debug_level_from_env()  # reads TORCH_DISTRIBUTED_DEBUG, set by run_case's env
+def _rank_main(rank: int, world_size: int, fn, tool: str, timeout_s: float,
+               stack_dir: str) -> dict:
+    dist.set_debug_level_from_env()  # reads TORCH_DISTRIBUTED_DEBUG, set by run_ranks's env
     # The short timeout is for the case's collectives. Joining waits for the slowest rank to
     # start, which on a loaded machine can take longer: the store that joins them waits for
     # STARTUP_S, so a late rank is not mistaken for a hang.
@@ -181,30 +178,31 @@ def tool_env(tool: str) -> dict[str, str]:
     return env
 
 
-def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: int = 2,
-             timeout_s: float = 3.0, wall_s: float | None = None) -> Report:
-    """Run ``case`` (broken, or ``fixed``) on ``world_size`` gloo ranks with ``tool``.
+def run_ranks(fn, name: str, tool: str = "timeout", world_size: int = 2,
+              timeout_s: float = 3.0, wall_s: float | None = None) -> Report:
+    """Run ``fn(rank, world_size)`` on ``world_size`` gloo ranks with ``tool``; ``name`` says
+    what runs, in the report's first line.
 
     Never hangs: the process group gives up after ``timeout_s``, and every rank is killed
     after ``wall_s`` (default ``timeout_s`` + 30 s of start-up room). Raises the task's
-    ``NotImplementedError`` when the ranks reached a task not done yet.
+    ``NotImplementedError`` when the ranks reached a task not done yet. The ranks are fresh
+    processes that import ``fn`` by its module's name: a function defined at the top of a
+    module, not in ``__main__`` (a script run imports itself by name and passes its own).
     """
-    import hang_clinic
-
-    if case not in hang_clinic.CASES:
-        raise ValueError(f"unknown case {case!r}: choose one of {', '.join(hang_clinic.CASES)}")
-    if tool == "detail" and case in hang_clinic.NO_DETAIL:
-        raise ValueError(f"case {case!r} uses DDP, which crashes under TORCH_DISTRIBUTED_DEBUG="
-                         "DETAIL on gloo (a segfault in torch 2.14): use --tool flight or stacks")
+    qualname = getattr(fn, "__qualname__", "")
+    if (not callable(fn) or getattr(fn, "__module__", "__main__") == "__main__"
+            or "<" in qualname):
+        raise ValueError(f"the ranks cannot import {fn!r} by name: give a function defined at "
+                         "the top of a module other than __main__ (not a lambda, not nested)")
     env = tool_env(tool)
     wall = wall_s if wall_s is not None else timeout_s + STARTUP_S
-    head = (f"=== case {case} ({'fixed' if fixed else 'broken'}), tool {tool}: {world_size} "
-            f"ranks, process-group timeout {timeout_s:g} s ===")
+    head = (f"=== {name}, tool {tool}: {world_size} ranks, process-group timeout "
+            f"{timeout_s:g} s ===")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hang-clinic-") as stack_dir:
         try:
             outs = run_distributed(_rank_main, world_size,
-                                   args=(case, fixed, tool, timeout_s, stack_dir),
+                                   args=(fn, tool, timeout_s, stack_dir),
                                    backend=None, timeout=wall, env=env, echo=False)
         except RankFailure as e:  # a rank crashed (gloo aborts on some mismatches) or hung
             returned = returned_before(stack_dir, world_size)
@@ -214,7 +212,7 @@ def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: 
                 lines.append(f"--- rank {rank} had returned: "
                              f"{'FAILED' if error else 'finished'} after {seconds} s ---")
                 lines += [error] if error else []
-            return Report(case, fixed, tool, world_size, False, [None] * world_size, [],
+            return Report(name, tool, world_size, False, [None] * world_size, [],
                           "\n".join(lines), time.monotonic() - start)
     raise_if_stub(o["error"] for o in outs)
     lines = [head]
@@ -228,7 +226,7 @@ def run_case(case: str, fixed: bool = False, tool: str = "timeout", world_size: 
                 lines.append(o[key])
     finished = all(o["error"] is None for o in outs)
     results = [o["result"] if o["error"] is None else None for o in outs]
-    return Report(case, fixed, tool, world_size, finished, results,
+    return Report(name, tool, world_size, finished, results,
                   [o["pid"] for o in outs], "\n".join(lines), time.monotonic() - start)
 
 

@@ -203,11 +203,13 @@ def test_no_command_in_the_students_tree_runs_the_solutions():
 # what a reader takes in as one step (PyTorch's DDP tutorial series grows by 40 and 59 lines).
 # gen.code_lines_changed counts lines added plus lines removed, and leaves out blank lines,
 # comment-only lines (solution markers included) and docstrings: prose may grow freely.
-# Issue #43 raised it from 85 to 100: lessons 03 and 04 now write out what dpt used to do for
-# them (init_process_group, mp.spawn, and main's data, model, optimizer and Trainer, as
-# multigpu.py does), while lesson 01 keeps its one-call run(): 01 -> 03 and 03 -> 04 change
-# about 90 lines each.
-CHANGE_BUDGET = 100
+# Lessons 01, 03, 04 and 06 write their data, model, optimizer, training and evaluation out in
+# the same train_and_evaluate (lesson 03 carries lesson 01's), so a step changes only how the
+# processes start and join, and what is new (01 -> 03 about 65 lines, 03 -> 06 about 40).
+CHANGE_BUDGET = 85
+# One step is allowed more: 03 -> 04 (about 95 lines) replaces the launch with torchrun's
+# variables and the checkpoint with a snapshot (every rank's random state, the sampler's seed).
+LARGER_STEPS = {"04_ddp_torchrun/ddp_torchrun.py": 100}
 
 
 def test_code_lines_changed_counts_code_only():
@@ -223,9 +225,10 @@ def test_each_lesson_grows_its_parents_main_file_within_the_budget(before, after
     sol = REPO / "solutions"
     a, b = sol / before, sol / after
     changed = gen.code_lines_changed(a.read_text(), b.read_text())
-    assert changed <= CHANGE_BUDGET, (
+    budget = LARGER_STEPS.get(after, CHANGE_BUDGET)
+    assert changed <= budget, (
         f"{b.relative_to(sol)} changes {changed} lines of code of {a.relative_to(sol)} "
-        f"(budget {CHANGE_BUDGET}): move plumbing into dpt/, or keep the shapes the same")
+        f"(budget {budget}): move plumbing into dpt/, or keep the shapes the same")
     assert (b.parent / gen.CHANGES).read_text() == gen.changes_diff(a, b), (
         "CHANGES.diff is stale: run `make exercises`")
 

@@ -86,6 +86,84 @@ def unlocking_prefixes(path: Path) -> dict[int, int]:
     return dict(sorted(last_cell.items()))
 
 
+def _names(source: str) -> tuple[set[str], set[str], bool] | None:
+    """(names a cell binds, names it reads from earlier cells, whether it binds only imports
+    and definitions), or None when it is not plain Python (a magic).
+
+    A name the cell reads before it binds it (``model = model.to(device)``) comes from an
+    earlier cell; a loop's or a comprehension's variables, a ``with ... as`` name and a
+    function's parameters are its own."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    own = set()
+    for node in ast.walk(tree):
+        targets = ([node.target] if isinstance(node, (ast.comprehension, ast.For)) else
+                   [i.optional_vars for i in node.items if i.optional_vars]
+                   if isinstance(node, ast.With) else [])
+        for target in targets:
+            own.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        if isinstance(node, ast.arg):
+            own.add(node.arg)
+    def own_nodes(stmt):  # a statement's expressions, not the statements nested in it
+        todo = list(ast.iter_child_nodes(stmt))
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, ast.stmt):
+                yield node
+                todo.extend(ast.iter_child_nodes(node))
+
+    bound, read, assigned = set(), set(), False
+    # statement by statement in the order they appear; within one the right side is read first
+    for stmt in sorted((n for n in ast.walk(tree) if isinstance(n, ast.stmt)),
+                       key=lambda n: (n.lineno, n.col_offset)):
+        loads, stores = set(), set()
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            stores.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+        elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stores.add(stmt.name)
+        for node in own_nodes(stmt):
+            if isinstance(node, ast.Name):
+                (loads if isinstance(node.ctx, ast.Load) else stores).add(node.id)
+                assigned |= not isinstance(node.ctx, ast.Load)
+        read |= loads - bound - own
+        bound |= stores
+    return bound, read, not assigned
+
+
+def cells_for(sources: list[str], targets: set[int]) -> list[int]:
+    """The cells to run, in order, for the ``targets`` to run as in the whole notebook: the
+    targets; the cells that bind a name a kept cell reads (the latest binding before it, and
+    what that one reads, transitively); the setup before the first ``needs_tasks`` block
+    (cells that only import and call, such as ``use_lesson``); cells that are not plain
+    Python (a magic).
+
+    A prefix run then leaves out the parts of a lesson its blocks do not read: lesson 10's
+    hang clinic no longer retraces part 1 for every prefix. What a target reads through a
+    file, not a name, is not followed: the run then fails loudly (a ``FileNotFoundError``, or
+    a skip of a block whose tasks are done), so a missed dependency cannot pass unseen.
+    """
+    parsed = [_names(s) for s in sources]
+    first_block = min((i for i, (s, p) in enumerate(zip(sources, parsed))
+                       if p is not None and needs_calls(s)), default=len(sources))
+    keep = set(targets) | {i for i, p in enumerate(parsed)
+                           if p is None or (i < first_block and p[2])}
+    todo = sorted(keep)
+    while todo:
+        i = todo.pop()
+        if parsed[i] is None:
+            continue
+        for name in parsed[i][1]:
+            for j in range(i - 1, -1, -1):
+                if parsed[j] is not None and name in parsed[j][0]:
+                    if j not in keep:
+                        keep.add(j)
+                        todo.append(j)
+                    break
+    return sorted(i for i in keep if i <= max(targets))
+
+
 def _keep(text: str, solved: set[str]) -> str:
     """``text`` with every solution block of a task outside ``solved`` stubbed, as
     make_exercises stubs it."""
@@ -119,20 +197,25 @@ def build_tree(root: Path, lesson: str, solved: set[str]) -> Path:
     return tree
 
 
-def run_notebook(path: Path, tree: Path, monkeypatch, upto: int | None = None):
-    """Run the notebook's code cells (up to cell ``upto``) against ``tree``; return each
-    cell's printed text and what every ``needs_tasks`` block did."""
+def run_notebook(path: Path, tree: Path, monkeypatch, only: list[int] | None = None):
+    """Run the notebook's code cells (those in ``only``, else all) against ``tree``; return
+    each cell's printed text ("" for a cell not run) and what every ``needs_tasks`` block
+    did."""
     monkeypatch.setenv("DPT_TARGET", str(tree))
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    cells = list(code_cells(path))[:None if upto is None else upto + 1]
+    sources = code_cells(path)
+    run = list(range(len(sources))) if only is None else only
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in [*cells, REPORT_CELL]]
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in [*(sources[i] for i in run), REPORT_CELL]]
     NotebookClient(nb, timeout=CELL_LIMIT_S, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
-    texts = ["".join(out.get("text", "") for out in cell.get("outputs", [])
-                     if out.get("output_type") == "stream") for cell in nb.cells]
-    report = texts.pop().split(REPORT, 1)[1]
+    ran = ["".join(out.get("text", "") for out in cell.get("outputs", [])
+                   if out.get("output_type") == "stream") for cell in nb.cells]
+    report = ran.pop().split(REPORT, 1)[1]
+    texts = [""] * len(sources)
+    for i, text in zip(run, ran):
+        texts[i] = text
     return texts, json.loads(report)
 
 
@@ -178,6 +261,29 @@ def test_the_prefixes_unlock_something_in_the_notebooks_with_tasks():
                                                             "05_ddp_from_scratch.ipynb"))
 
 
+def test_a_prefix_runs_what_its_blocks_read_and_the_setup_not_the_other_parts():
+    sources = [
+        "from dpt.notebook import use_lesson\nuse_lesson('10')",  # 0: setup: imports, calls
+        "import traces as tr\nimport os",                     # 1: imports: setup
+        "ranks = tr.run_traces()",                             # 2: part 1's expensive run
+        "with needs_tasks('10.1'):\n    events = tr.read(ranks)",  # 3: part 1
+        "%matplotlib inline",                                  # 4: not Python: kept
+        "import hang_clinic as hc",                            # 5: part 4
+        "cases = [c for c in hc.CASES]",                       # 6 (c is its own)
+        "print(hc.demo())",                                    # 7: a demo nobody reads
+        "with needs_tasks('10.11'):\n    print(hc.run(cases))",  # 8: the target
+        "with needs_tasks('10.12'):\n    print(hc.run(cases))",  # 9: after the target
+        "c = 1",                                               # 10
+    ]
+    assert cells_for(sources, {8}) == [0, 1, 4, 5, 6, 8]  # 1: imports only, before any block
+    assert cells_for(sources, {3}) == [0, 1, 2, 3]
+    # a name bound again is read from its latest binding, and what that one reads follows
+    assert cells_for(["a = 1", "b = 2", "a = b", "print(a)"], {3}) == [1, 2, 3]
+    # read before bound: from the earlier cell; a loop's variable bound before it is read
+    assert cells_for(["m = 1", "m = m + 1", "for m in range(2):\n    print(m)"], {1, 2}) == [0, 1, 2]
+    assert cells_for(["m = 1", "for m in range(2):\n    print(m)"], {1}) == [1]
+
+
 def test_a_built_tree_has_exactly_its_prefix_solved(tmp_path):
     lesson = "06_mixed_precision"  # its tasks include ones carried from lessons 01 and 03
     tasks = lesson_tasks(lesson)
@@ -202,9 +308,14 @@ PREFIX_CASES = [(path, k, upto) for path in NOTEBOOKS
 def test_each_block_runs_with_just_its_own_tasks_done(path, k, upto, tmp_path, monkeypatch):
     lesson = path.stem
     solved = set(lesson_tasks(lesson)[:k + 1])
-    texts, blocks = run_notebook(path, build_tree(tmp_path, lesson, solved), monkeypatch, upto)
-    check_blocks(lesson, solved, texts, blocks)
     last = lesson_tasks(lesson)[k]
+    sources = code_cells(path)
+    targets = {i for i, source in enumerate(sources) for _, named in needs_calls(source)
+               if named and max(named, key=_order) == last}
+    assert targets and max(targets) == upto
+    texts, blocks = run_notebook(path, build_tree(tmp_path, lesson, solved), monkeypatch,
+                                 cells_for(list(sources), targets))
+    check_blocks(lesson, solved, texts, blocks)
     newly = [b for b in blocks
              if b["tasks"] and max((t.removeprefix("Task ") for t in b["tasks"]), key=_order) == last]
     assert newly, f"no block that needs Task {last} ran"

@@ -103,3 +103,36 @@ def test_the_comm_hooks_benchmark_labels_ranks_on_a_shared_gpu_as_such(monkeypat
     monkeypatch.setenv("DPT_SHARE_GPU", "1")
     label = bench.ranks_label(2)
     assert "CPU" not in label and "sharing 1 GPU" in label, label
+
+
+@pytest.mark.parametrize("major, dtype, noted", [(7, torch.float16, True),
+                                                 (8, torch.bfloat16, False)])
+def test_the_fsdp2_benchmark_method_builds_task_09_17s_policy_in_the_rules_format(
+        monkeypatch, major, dtype, noted):
+    """On a T4 the FSDP2 method's parameters compute in fp16 (bf16 is emulated there), with
+    the student's policy otherwise as written (fp32 reduce), and its record says so."""
+    import benchmarks.methods_l09 as methods
+
+    fsdp2 = load("09_fsdp", "fsdp2_practice")
+    monkeypatch.setitem(__import__("sys").modules, "fsdp2_practice", fsdp2)
+    policies = []
+    monkeypatch.setattr(fsdp2, "fully_shard",
+                        lambda module, **kw: policies.append(kw["mp_policy"]))
+    monkeypatch.setattr(fsdp2, "set_prefetch", lambda blocks, ahead=1: True)
+    monkeypatch.setattr(fsdp2, "materialize", lambda model, device, seed: model)
+    monkeypatch.setattr(methods, "_needs_group", lambda name: None)
+    monkeypatch.setattr(fsdp2, "device_mesh", lambda: None)
+    _gpus(monkeypatch, 1, major)
+    made = fsdp2.MixedPrecisionPolicy
+    ctx = types.SimpleNamespace(device=torch.device("cuda", 0), seed=0, rank=0, batch_size=2)
+    monkeypatch.setattr(methods, "_tokens", lambda ctx: (None, None))
+    monkeypatch.setattr(methods, "_step", lambda model, opt, batch: "step")
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr: None)
+    step, record = methods.fsdp2_bf16(ctx)
+    assert step == "step" and policies, "the method did not build through task 09.17's recipe"
+    assert {p.param_dtype for p in policies} == {dtype}, (
+        f"compute capability {major}: FSDP2 computed in {policies[0].param_dtype}, "
+        f"not {dtype} (bf16 is emulated below 8)")
+    assert {p.reduce_dtype for p in policies} == {torch.float32}
+    assert bool(record.get("notes")) == noted
+    assert fsdp2.MixedPrecisionPolicy is made, "the lesson's policy was left swapped"

@@ -9,7 +9,6 @@ own main on a stubbed copy of the lesson; and the benchmark's record of a failed
 import functools
 import io
 import re
-import shutil
 import sys
 
 import pytest
@@ -110,7 +109,6 @@ def test_a_lesson_script_on_a_stub_prints_the_task_after_failed(tmp_path):
     lesson = tmp_path / "09_fsdp"
     lesson.mkdir()
     source = REPO / "solutions" / "09_fsdp"
-    shutil.copy(source / "schedule.py", lesson)
     stubbed, tasks = gen.strip_solutions((source / "fsdp_by_hand.py").read_text())
     assert "09.1" in tasks, "task 09.1 (shard_flat, the first a rank reaches) moved: update"
     (lesson / "fsdp_by_hand.py").write_text(stubbed)

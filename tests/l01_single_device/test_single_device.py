@@ -519,37 +519,73 @@ def test_cli_trains_and_reports_test_accuracy(tmp_path):
     assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
 
 
-def test_run_applies_threads_and_passes_checkpoint_and_resume_on(sd, monkeypatch, tmp_path):
-    # run() is given code: the training itself is stood in for, so only the wiring is tested
-    threads, seen = [], {}
+@pytest.mark.timeout(30)
+def test_main_applies_threads_and_trains_on_the_device_asked_for(sd, monkeypatch):
+    # main() is given code: the device lookup and the training are stood in for
+    threads, asked, seen = [], [], {}
+    result = {"accuracy": 0.5, "seconds": 1.0, "history": [2.0, 1.0]}
     monkeypatch.setattr(sd, "set_threads", threads.append)
-    monkeypatch.setattr(sd.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(options) or {})
-    ck, old = str(tmp_path / "ck.pt"), str(tmp_path / "old.pt")
-    sd.run(sd.build_parser().parse_args([*FASHION, "--device", "cpu", "--threads", "3",
-                                         "--checkpoint", ck, "--resume", old]))
-    assert threads == [3], (f"--threads 3 called set_threads with {threads}: run() must apply "
+    monkeypatch.setattr(sd, "pick_device", lambda requested, **kw: asked.append(requested) or CPU)
+    monkeypatch.setattr(sd, "train_and_evaluate",
+                        lambda args, device: seen.update(args=args, device=device) or result)
+    args = sd.build_parser().parse_args([*FASHION, "--device", "cpu", "--threads", "3"])
+    got = sd.main(args)
+    assert threads == [3], (f"--threads 3 called set_threads with {threads}: main() must apply "
                             "--threads (set_threads(args.threads))")
-    assert seen.get("checkpoint_path") == ck and seen.get("resume_from") == old, (
-        f"the Trainer got checkpoint_path={seen.get('checkpoint_path')!r} and "
-        f"resume_from={seen.get('resume_from')!r}: pass --checkpoint and --resume on to it")
+    assert asked == ["cpu"] and seen.get("device") == CPU, (
+        f"--device cpu asked pick_device for {asked} and trained on {seen.get('device')}: "
+        "main() must pick the device --device names (pick_device(args.device)) and train on it")
+    assert seen.get("args") is args and got is result, (
+        f"main() returned {got!r}: return what train_and_evaluate(args, device) returns (the "
+        "accuracy, the time and the loss history), the notebook and the tests read it")
 
 
 @pytest.mark.timeout(30)
-def test_run_trains_on_the_device_asked_for_and_returns_the_result(sd, monkeypatch):
-    # run() is given code: the device lookup and the training are stood in for
-    asked, seen = [], {}
-    result = {"accuracy": 0.5, "seconds": 1.0, "history": [2.0, 1.0]}
-    monkeypatch.setattr(sd, "pick_device", lambda requested, **kw: asked.append(requested) or CPU)
-    monkeypatch.setattr(sd.cli, "train_and_evaluate",
-                        lambda args, device, *fns, **options: seen.update(device=device) or result)
-    got = sd.run(sd.build_parser().parse_args([*FASHION, "--device", "cpu"]))
-    assert asked == ["cpu"] and seen.get("device") == CPU, (
-        f"--device cpu asked pick_device for {asked} and trained on {seen.get('device')}: "
-        "run() must pick the device --device names (pick_device(args.device)) and train on it")
-    assert got is result, (
-        f"run() returned {got!r}: return what cli.train_and_evaluate returns (the accuracy, "
-        "the time and the loss history), the notebook and the tests read it")
+def test_train_and_evaluate_passes_the_flags_on_and_tests_on_the_test_set(sd, monkeypatch,
+                                                                         tmp_path):
+    # train_and_evaluate() is given code: data and training are stood in for, only the wiring
+    # is tested
+    seen, loaders = {}, []
+
+    class Trainer:
+        def __init__(self, model, train_data, optimizer, device, *args, **kwargs):
+            seen.update(train_data=train_data, device=device, args=args, kwargs=kwargs)
+            self.model, self.history = model, [0.5]
+
+        def train(self, *args):
+            seen.update(train=args)
+            return [0.5]
+
+    def prepare_dataloader(x, y, batch_size, shuffle=True, seed=0):
+        loaders.append((len(x), shuffle))
+        return loaders[-1]
+
+    def evaluate(model, loader, device):
+        seen.update(evaluated=loader)
+        return 3, 4
+
+    sizes = {True: 12, False: 8}  # train and test sets of different sizes tell them apart
+    monkeypatch.setattr(sd, "prepare_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(sd, "load_tensors", lambda name, train, limit=None: (
+        torch.zeros(sizes[train], 1, 28, 28), torch.zeros(sizes[train], dtype=torch.long)))
+    monkeypatch.setattr(sd, "prepare_dataloader", prepare_dataloader)
+    monkeypatch.setattr(sd, "Trainer", Trainer)
+    monkeypatch.setattr(sd, "evaluate", evaluate)
+    ck, old = str(tmp_path / "ck.pt"), str(tmp_path / "old.pt")
+    args = sd.build_parser().parse_args([*FASHION, "--model", "mlp", "--epochs", "3",
+                                         "--checkpoint", ck, "--resume", old])
+    got = sd.train_and_evaluate(args, CPU)
+    given = [*seen["args"], *seen["kwargs"].values()]
+    assert ck in given and seen["kwargs"].get("resume_from") == old, (
+        f"the Trainer got {seen['args']} and {seen['kwargs']}: pass --checkpoint and --resume "
+        "on to it")
+    assert seen["train_data"] == (12, True) and seen["train"][0] == 3, (
+        f"the Trainer trained on {seen['train_data']} for {seen['train']}: the shuffled train "
+        "set, for --epochs epochs")
+    assert seen["evaluated"] == (8, False), (
+        f"evaluate() got the loader {seen['evaluated']} (samples, shuffled): the accuracy is "
+        "measured on the test set (load_tensors(train=False)), in order")
+    assert got == {"accuracy": 0.75, "seconds": got["seconds"], "history": [0.5]}, got
 
 
 @pytest.mark.parametrize("args, message", [
@@ -588,5 +624,5 @@ def test_cli_missing_data_offline_says_how_to_get_it(tmp_path):
 def test_convnet_reaches_85_percent_after_one_epoch(sd):
     """The README's figure: one epoch of the ConvNet on Fashion-MNIST, on the CPU."""
     args = sd.build_parser().parse_args([*FASHION, "--epochs", "1", "--no-progress"])
-    result = sd.run(args)
+    result = sd.main(args)
     assert result["accuracy"] >= 0.85, result["accuracy"]

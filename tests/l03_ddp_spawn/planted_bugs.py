@@ -23,9 +23,9 @@ BUGS = [
         expect=r"call ddp_setup before the try",
         why="ddp_setup inside the try: a failed join reaches destroy_process_group(), "
             "whose error hides the real one"),
-    Bug("03.0-checkpoint-flag-ignored", L03, where="main",
-        find="                          args.checkpoint, args.progress, resume_from=args.resume)",
-        replace="                          None, args.progress, resume_from=args.resume)",
+    Bug("03.0-checkpoint-flag-ignored", L03, where="train_and_evaluate",
+        find="args.checkpoint, args.progress, resume_from=args.resume)",
+        replace="None, args.progress, resume_from=args.resume)",
         tests=(T03 + "test_main_passes_the_checkpoint_and_resume_flags_on",),
         why="--checkpoint is ignored: rank 0 never saves"),
     Bug("03.0-no-ddp-wrap", L03, where="Trainer.__init__",

@@ -82,7 +82,7 @@ BUGS = [
         tests=(T06 + "test_amp_inspect_passes_its_flags_on",),
         expect=r"ran ddp_dtypes with .*pass each flag on",
         why="amp_inspect.py --steps never reaches ddp_dtypes"),
-    Bug("06.0-clip-flag-ignored", L06, where="main",
+    Bug("06.0-clip-flag-ignored", L06, where="train_and_evaluate",
         find="precision=args.precision, max_norm=args.clip or None)",
         replace="precision=args.precision, max_norm=None)",
         tests=(T06 + "test_ddp_script_passes_clip_and_precision_on",),

@@ -219,6 +219,12 @@ BUGS = [
         expect=r"each rank decided from its own gradients",
         why="each rank decides from its own gradients which reduces to enter: a parameter "
             "unused on one rank makes it skip (or shrink) a reduce the others enter"),
+    Bug("08.0-every-rank-draws-a-bar", L08F, where="train_worker",
+        find="    if progress and rank == 0:\n",
+        replace="    if progress:\n",
+        tests=(T08 + "test_on_three_ranks_only_rank_0_draws_a_bar_and_writes_the_file",),
+        expect=r"only rank 0\s+draws the progress bar",
+        why="every rank draws its own bar: N bars fight over one terminal line"),
     # --- 08.1: each stage divides one more of (state, grads, params) by world_size
     Bug("08.1-grads-sharded-at-stage-1", L08A, where="08.1",
         find="    grads = num_params * grad_bytes / (n if sharded >= 2 else 1)",
@@ -241,6 +247,17 @@ BUGS = [
         tests=(T08 + "test_each_kind_is_priced_with_its_own_bytes_per_parameter",),
         expect=r"gradients grad_bytes",
         why="the gradients are priced at the parameters' bytes (the same only in fp32)"),
+    Bug("08.1-floor-division", L08A, where="08.1",
+        find="    state = num_params * state_bytes / (n if sharded >= 1 else 1)",
+        replace="    state = num_params * state_bytes // (n if sharded >= 1 else 1)",
+        more=(("08.1", "    params = num_params * param_bytes / (n if sharded >= 3 else 1)",
+               "    params = num_params * param_bytes // (n if sharded >= 3 else 1)"),
+              ("08.1", "    grads = num_params * grad_bytes / (n if sharded >= 2 else 1)",
+               "    grads = num_params * grad_bytes // (n if sharded >= 2 else 1)")),
+        tests=(T08 + "test_prediction_is_exact_when_the_ranks_do_not_divide_the_bytes",),
+        expect=r"not a\s+floor division",
+        why="bytes are whole numbers, so // : off by under a byte, which a million-parameter "
+            "test cannot see, and wrong where P * bytes is not a multiple of N"),
     # --- 08.2: biggest parameter first, each to the rank with the least so far
     Bug("08.2-round-robin", L08Z, where="08.2",
         find="        rank = min(range(world_size), key=lambda r: (loads[r], r))",
@@ -287,6 +304,29 @@ BUGS = [
         replace="        if self.local_optimizer is not None:\n            self.local_optimizer.step()",
         tests=(T08 + "test_sharded_optimizer_matches_plain_and_torch_zero",),
         why="a scheduler's new learning rate never reaches the inner optimizer"),
+    Bug("08.3-buffer-in-the-first-dtype", L08Z, where="08.3",
+        find="                flat = torch.cat([p.detach().reshape(-1) for p in params])",
+        replace="                flat = torch.cat([p.detach().reshape(-1).to(params[0].dtype) "
+        "for p in params])",
+        tests=(T08 + "test_sharded_step_on_three_ranks_with_parameters_of_three_dtypes",),
+        expect=r"rounded to bfloat16",
+        why="one owner's buffer is made in its first parameter's dtype: a bf16 first parameter "
+            "rounds the fp32/fp64 ones the other ranks receive (all fp32: nothing shows)"),
+    Bug("08.3-buffer-in-fp32", L08Z, where="08.3",
+        find="                flat = torch.cat([p.detach().reshape(-1) for p in params])",
+        replace="                flat = torch.cat([p.detach().float().reshape(-1) for p in params])",
+        tests=(T08 + "test_sharded_step_on_three_ranks_with_parameters_of_three_dtypes",),
+        expect=r"rounded to float32",
+        why="the broadcast buffer is always fp32: fp64 parameters reach the other ranks rounded, "
+            "so the ranks' copies disagree"),
+    Bug("08.3-idle-rank-returns-early", L08Z, where="08.3",
+        find="        if self.local_optimizer is not None:\n            self._sync_options()\n",
+        replace="        if self.local_optimizer is None:\n            return loss\n"
+        "        else:\n            self._sync_options()\n",
+        tests=(T08 + "test_a_rank_that_owns_nothing_still_takes_part_in_every_broadcast",),
+        expect=r"do not return early",
+        why="a rank with nothing to step returns before the broadcasts: the owners wait for it "
+            "forever (every rank owns something at 2 ranks of a ConvNet)"),
     # --- 08.4: fully_shard each block (its own all-gather unit), then the root
     Bug("08.4-root-only", L08F, where="08.4",
         find="    for block in blocks:\n        fully_shard(block, **fsdp_kwargs)\n",
@@ -311,6 +351,15 @@ BUGS = [
         tests=(T08 + "test_fsdp2_shards_every_parameter_and_trains_like_ddp",),
         expect=r"between forward and backward",
         why="the blocks stay whole from forward to backward: ZeRO-2's memory, not ZeRO-3's"),
+    Bug("08.4-model-cast-to-the-compute-dtype", L08F, where="08.4",
+        find="    for block in blocks:\n        fully_shard(block, **fsdp_kwargs)\n",
+        replace="    if \"mp_policy\" in fsdp_kwargs:\n"
+        "        model.to(fsdp_kwargs[\"mp_policy\"].param_dtype)\n"
+        "    for block in blocks:\n        fully_shard(block, **fsdp_kwargs)\n",
+        tests=(T08 + "test_fsdp2_with_a_bf16_policy_computes_in_bf16_and_keeps_fp32_masters",),
+        expect=r"fp32 master weights are gone",
+        why="the model is cast to the policy's compute dtype before sharding: Adam then steps "
+            "bf16 weights (a float64 policy, the older test's, hides it)"),
     # --- 08.5: get_model_state_dict with full_state_dict=True and cpu_offload=True
     Bug("08.5-sharded-state-dict", L08F, where="08.5",
         find="    options = StateDictOptions(full_state_dict=True, cpu_offload=True)",

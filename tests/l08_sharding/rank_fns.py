@@ -266,13 +266,13 @@ def fsdp_options_reach_every_block(rank, world_size):
     return {"seen": seen, "error": error, "meshes": meshes}
 
 
-def _torch_shard(model):
+def _torch_shard(model, **fsdp_kwargs):
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh()
     for block in (model.layer1, model.layer2, model.fc):
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **fsdp_kwargs)
+    return fully_shard(model, mesh=mesh, **fsdp_kwargs)
 
 
 def fsdp_vs_ddp(rank, world_size, steps=4, state_dict=False, own_shard=True):
@@ -527,3 +527,171 @@ def demo_with_reference_partition(rank, world_size, steps=3):
     zo = load(LESSON, "zero_optimizer")
     use_reference_partition(zo)
     return zo.demo_worker(rank, world_size, steps=steps)
+
+
+# --- three ranks: uneven shards, three dtypes, who writes ------------------------------------
+
+def _part(fn, *args, **kwargs):
+    """``fn``'s result, or ``{"error": its first line, "trace": its traceback}``: one part of a
+    3-rank run fails its own test, not the whole run (a task's stub raises on every rank alike,
+    so the ranks still enter the later parts together)."""
+    import traceback
+
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test fails on it, naming it
+        return {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+                "trace": traceback.format_exc()[-3000:]}
+
+
+# Parameters of three dtypes, in the order the tests' partition hands them out over 3 ranks:
+# rank 0 owns the bf16 40, rank 1 the fp32 30 and 8, rank 2 the bf16 20 then the fp64 10 and 5.
+# 113 elements: no rank's share is a third. Rank 2's first parameter is bf16 and its others
+# fp64: a buffer made in its first parameter's dtype (or in fp32) rounds what it carries.
+MIXED = ((40, torch.bfloat16), (30, torch.float32), (20, torch.bfloat16), (10, torch.float64),
+         (8, torch.float32), (5, torch.float64))
+
+
+def _mixed_step(zo, rank, world_size, steps=2):
+    """The lesson's step() on MIXED, against a plain Adam on a copy, same gradients: the
+    gradients are set by hand (as DDP would leave them: the same on every rank)."""
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for n, dt in MIXED]
+    params = [torch.nn.Parameter(t.clone()) for t in base]
+    plain = [torch.nn.Parameter(t.clone()) for t in base]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.01}
+    sharded = zo.ShardedOptimizer(params, torch.optim.Adam, **kwargs)
+    reference = torch.optim.Adam(plain, **kwargs)
+    for step in range(steps):
+        gs = torch.Generator().manual_seed(100 + step)  # the same on every rank
+        for p, q in zip(params, plain):
+            p.grad = torch.randn(p.shape, generator=gs, dtype=torch.float64).to(p.dtype)
+            q.grad = p.grad.clone()
+        sharded.step()
+        reference.step()
+    return {"params": [p.detach().clone() for p in params],
+            "plain": [q.detach().clone() for q in plain],
+            "dtypes": [str(p.dtype) for p in params],
+            "owners": reference_partition([n for n, _ in MIXED], world_size)}
+
+
+def _idle_rank_step(zo, rank, world_size, group_timeout=30.0):
+    """Two parameters over three ranks: rank 2 owns none, and must still take part in every
+    owner's broadcast. On a group with a short timeout, so that a rank that skips them makes
+    the others fail here instead of hanging the run."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    group = dist.new_group(timeout=timedelta(seconds=group_timeout))
+    params = [torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(3))]
+    opt = zo.ShardedOptimizer(params, torch.optim.SGD, process_group=group, lr=0.5)
+    for p, value in zip(params, (2.0, 4.0)):
+        p.grad = torch.full_like(p, value)
+    opt.step()  # an owner's new value is 1 - 0.5 * grad: 0 and -1
+    return {"values": [sorted(set(p.detach().tolist())) for p in params],
+            "owns": len(opt.params_of[rank])}
+
+
+def zero_at_three(rank, world_size, steps=2):
+    """Task 08.3's step() on 3 ranks (the tests' partition): parameters of three dtypes
+    owned unevenly, then a rank that owns nothing (last: it may time out)."""
+    zo = load(LESSON, "zero_optimizer")
+    use_reference_partition(zo)
+    return {"mixed": _part(_mixed_step, zo, rank, world_size, steps),
+            "idle": _part(_idle_rank_step, zo, rank, world_size)}
+
+
+def _fsdp_bf16(ft, rank, world_size):
+    """The lesson's shard_model with a bf16 compute policy (fp32 reduce): what dtype the blocks
+    compute in, and what dtype the sharded parameters and Adam's state (the masters) keep."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = ConvNet(batch_norm=False)
+    seen = {}
+    for name in ("layer1", "layer2", "fc"):
+        getattr(model, name).register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, str(args[0].dtype)))
+    ft.shard_model(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                          reduce_dtype=torch.float32))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    return {"seen": seen,
+            "masters": sorted({str(p.dtype) for p in model.parameters()}),
+            "local": sorted({str(p.to_local().dtype) for p in model.parameters()
+                             if hasattr(p, "to_local")}),
+            "state": sorted({str(v.dtype) for st in opt.state.values() for v in st.values()
+                             if torch.is_tensor(v) and v.dim() > 0})}
+
+
+def _full_state_dict_bf16(ft, rank, world_size):
+    """Task 08.5 on 3 ranks (uneven shards: 16 rows are 6, 6 and 4), the model sharded by
+    torch with a bf16 compute policy and trained one step: rank 0's full state dict must hold
+    the fp32 masters, gathered whole; the others an empty dict."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = _torch_shard(ConvNet(batch_norm=False), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    want = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    want.update((n, b.detach().cpu()) for n, b in model.named_buffers())
+    sd = ft.full_state_dict(model)
+    if rank != 0:
+        return {"keys": sorted(sd)}
+    got = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+    return {"keys": sorted(sd), "want": sorted(want),
+            "got": {k: (type(v).__name__, str(v.dtype), v.device.type, tuple(v.shape))
+                    for k, v in got.items()},
+            "want_shapes": {k: tuple(v.shape) for k, v in want.items()},
+            "equal": sorted(k for k, v in got.items() if k in want
+                            and v.shape == want[k].shape and v.dtype == want[k].dtype
+                            and torch.equal(v.cpu(), want[k]))}
+
+
+def _worker_who_writes(ft, rank, world_size, save_dir, steps=2):
+    """The script's train_worker (given code) in FSDP2 mode with a progress bar and a file to
+    save, torch standing in for tasks 08.4 and 08.5: which ranks draw a bar, which write."""
+    from pathlib import Path
+
+    import tqdm as tqdm_module
+
+    import dpt.checkpoint
+
+    ft.shard_model, ft.full_state_dict = _torch_shard, _torch_full_state_dict
+    bars, saves = [], []
+    real_bar, real_save = tqdm_module.tqdm, dpt.checkpoint.atomic_save
+
+    class RecordingBar(real_bar):
+        def __init__(self, *args, **kwargs):
+            bars.append(rank)
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    def recording_save(obj, path, *args, **kwargs):
+        saves.append(len(obj))
+        return real_save(obj, path, *args, **kwargs)
+
+    tqdm_module.tqdm, dpt.checkpoint.atomic_save = RecordingBar, recording_save
+    try:
+        ft.train_worker(rank, world_size, mode="fsdp2", steps=steps, batch_size=8,
+                        save=str(Path(save_dir) / "fsdp2.pt"), progress=True)
+    finally:
+        tqdm_module.tqdm, dpt.checkpoint.atomic_save = real_bar, real_save
+    return {"bars": bars, "saves": saves}
+
+
+def fsdp_at_three(rank, world_size, save_dir):
+    """Lesson 08's FSDP2 parts on 3 ranks, where ConvNet's rows (16, 32, 10) do not divide
+    evenly: 08.4 in fp32 against DDP, 08.4 with a bf16 compute policy, 08.5 gathering uneven
+    shards of fp32 masters, and the worker's writes and progress bars."""
+    ft = load(LESSON, "fsdp2_train")
+    out = {"fp32": _part(fsdp_vs_ddp, rank, world_size, steps=2),
+           "bf16": _part(_fsdp_bf16, ft, rank, world_size),
+           "state": _part(_full_state_dict_bf16, ft, rank, world_size)}
+    out["worker"] = _part(_worker_who_writes, ft, rank, world_size, save_dir)
+    return out

@@ -484,4 +484,82 @@ BUGS = [
         expect=r"must be its end on the device",
         why="a collective's end is the host's moment its future completed: under NCCL, its "
             "issue"),
+    # ===== seen only at 3 ranks, in low precision, or in a file's layout =====
+    Bug("09.1-pads-by-the-remainder", F, where="09.1",
+        find="padded = -(-flat.numel() // world_size) * world_size",
+        replace="padded = flat.numel() + flat.numel() % world_size",
+        tests=(T + "test_shard_flat_pads_with_zeros_and_keeps_this_ranks_chunk",),
+        expect=r"31 numbers over 3 ranks: padded is 32, want 33",
+        why="adds the remainder instead of rounding up: right when nothing is left over or "
+            "when the remainder is half of N (30 numbers at 1..4 ranks), wrong elsewhere"),
+    Bug("09.2-gathers-the-fp32-masters", F, where="09.2",
+        find="        mine = self.shard.detach().to(full.dtype)\n"
+             "        return dist.all_gather_into_tensor(full.data, mine, group=self.group, "
+             "async_op=True)\n",
+        replace="        whole = torch.empty(full.numel(), dtype=torch.float32, device=full.device)\n"
+                "        work = dist.all_gather_into_tensor(whole, self.shard.detach(),\n"
+                "                                           group=self.group, async_op=True)\n"
+                "        work.wait()\n"
+                "        full.data.copy_(whole)\n"
+                "        return work\n",
+        tests=(T + "test_gather_gives_each_unit_its_parameters_in_the_compute_dtype",),
+        expect=r"moves twice the bytes",
+        why="gathers the fp32 master shards and casts the whole unit afterwards: the right "
+            "numbers, twice the traffic of a bf16 gather (and the gather no longer overlaps)"),
+    Bug("09.12-gathers-the-compute-copy", F, where="09.12",
+        find="            flat = torch.empty(unit.padded, dtype=torch.float32, "
+             "device=unit.shard.device)\n"
+             "            dist.all_gather_into_tensor(flat, unit.shard.detach(), "
+             "group=self.group)\n",
+        replace="            flat = torch.empty(unit.padded, dtype=unit.full.dtype, "
+                "device=unit.shard.device)\n"
+                "            dist.all_gather_into_tensor(flat, unit.shard.detach().to("
+                "unit.full.dtype), group=self.group)\n",
+        tests=(T + "test_gather_full_params_gives_every_rank_the_whole_model_by_name",),
+        expect=r"never the compute dtype's copy",
+        why="gathers the model in the compute dtype: in bf16 the saved weights lose the "
+            "fp32 masters' precision (in fp32 nothing shows)"),
+    Bug("09.14-mlp-width-from-heads", AC, where="09.14",
+        find="+ 2 * mlp_ratio * dim", replace="+ 2 * heads * dim",
+        tests=(TM + "test_block_activations_on_hand_computed_cases",),
+        expect=r"MLP ratio 6",
+        why="the MLP's width taken from the number of heads: equal in the lesson's model "
+            "(4 and 4), wrong in any other"),
+    Bug("09.19-start-from-own-length", FP, where="09.19",
+        find="        start, _ = shard_rows(param)\n"
+             "        local = param.to_local() if isinstance(param, DTensor) else param\n",
+        replace="        local = param.to_local() if isinstance(param, DTensor) else param\n"
+                "        start = get_rank() * len(local) if isinstance(param, DTensor) else 0\n",
+        tests=(TP + "test_sharded_init_at_3_ranks_with_uneven_shards",),
+        expect=r"filled the wrong rows",
+        why="a shard's first row as rank x its own length: right when the rows split evenly "
+            "(every tensor at 2 ranks), wrong for the last rank at 3 (64 rows: 22, 22, 20)"),
+    Bug("09.20-slice-of-the-lesson-batch", FP, where="09.20",
+        find="    per = len(inputs) // world_size\n", replace="    per = GLOBAL_BATCH // world_size\n",
+        tests=(TP + "test_rank_slices_split_the_global_batch",),
+        expect=r"whatever the batch size",
+        why="the slice's length from the lesson's batch size, not the batch given: right only "
+            "for a batch of 8"),
+    Bug("09.21-saves-whole-tensors", FD, where="09.21",
+        find="    model_state, optim_state = get_state_dict(model, optimizer)\n",
+        replace="    model_state, optim_state = get_state_dict(\n"
+                "        model, optimizer, options=StateDictOptions(full_state_dict=True))\n",
+        tests=(TP + "test_the_checkpoint_holds_one_piece_per_rank_of_every_tensor",),
+        expect=r"stored whole, in one piece",
+        why="gathers the whole model and Adam's state on every rank, then saves that: as many "
+            "files as ranks and a loadable checkpoint, but not sharded (each rank held all of "
+            "it)"),
+    Bug("09.23-every-rank-writes", FD, where="09.23",
+        find="    options = StateDictOptions(full_state_dict=True, cpu_offload=True)\n"
+             "    state = get_model_state_dict(model, options=options)\n"
+             "    if get_rank() == 0:\n"
+             "        atomic_save(state, path)\n",
+        replace="    options = StateDictOptions(full_state_dict=True)\n"
+                "    state = {k: v.cpu() for k, v in get_model_state_dict(model, "
+                "options=options).items()}\n"
+                "    atomic_save(state, path)\n",
+        tests=(TP + "test_the_export_is_written_by_rank_0_alone",),
+        expect=r"also wrote in export_full",
+        why="every rank holds the whole model and writes it to the same path: N writers race "
+            "for one file (the same bytes here, so the file still loads)"),
 ]

@@ -365,3 +365,61 @@ def read_back(rank, world_size, folder):
 
     result = _part(read)
     return result if rank == 0 or "error" in result else {}
+
+
+# --- at 3 ranks: uneven shards (09.19, 09.21-09.23) --------------------------------------------
+
+@contextmanager
+def counting_saves():
+    """Every ``torch.save`` this rank makes while inside (a list of where it wrote)."""
+    writes: list[str] = []
+    real = torch.save
+
+    def spy(obj, f, *args, **kwargs):
+        writes.append(str(getattr(f, "name", f)))
+        return real(obj, f, *args, **kwargs)
+
+    torch.save = spy
+    try:
+        yield writes
+    finally:
+        torch.save = real
+
+
+def three_rank_checks(rank, world_size, folder, reference, export, init_seed=3):
+    """One launch at 3 ranks, where most parameters' rows do not split evenly (64 rows: 22,
+    22 and 20): the lesson's materialize, a save after one step (its layout is read by the
+    test), a load of the 2-rank ``reference`` checkpoint, and an export, counting who writes."""
+    fp, ck = practice(), checkpointing()
+    out = {"init": _part(_init_check, fp, init_seed)}
+    if rank != 0 and isinstance(out["init"].get("full"), dict):
+        out["init"]["full"] = None
+    model = ref_build(fp)
+    optimizer = fp.make_optimizer(model.parameters())
+    ref_train(fp, model, optimizer, range(1))  # Adam's state exists: it is saved too
+    out["save"] = _part(ck.save_checkpoint, model, optimizer, folder, 1)
+    dist.barrier()
+    fresh = ref_build(fp, seed=7)
+    fresh_optimizer = fp.make_optimizer(fresh.parameters())
+
+    def resume():
+        start = ck.load_checkpoint(fresh, fresh_optimizer, reference)
+        loaded = {"params": full_params(fresh), "adam": full_adam(fresh, fresh_optimizer)}
+        return {"start": start, "loaded": loaded if rank == 0 else None}
+
+    out["resume"] = _part(resume)
+    with counting_saves() as writes:
+        exported = _part(ck.export_full, model, export)
+    error = exported.get("error") if isinstance(exported, dict) else None
+    out["export"] = {"writes": writes, "error": error,
+                     "trace": exported.get("trace", "") if error else ""}
+    dist.barrier()
+    if rank == 0 and out["export"]["error"] is None:
+        import os
+
+        if os.path.exists(export):
+            state = torch.load(export, weights_only=False)
+            out["export"]["shapes"] = {
+                k: tuple(v.to_local().shape if isinstance(v, DTensor) else v.shape)
+                for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return out

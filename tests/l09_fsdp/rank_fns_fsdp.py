@@ -17,6 +17,8 @@ backward, its gradient sent and the unit freed after it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -189,31 +191,17 @@ REFERENCES = {
 TASKS = tuple(REFERENCES)
 
 
-# The logging decorators (schedule.py) the lesson puts on each task's method: a reference
-# put in its place gets the same, so that the events are logged whoever wrote the method.
-DECORATORS = {
-    "09.2": ("collective", "gather"), "09.4": ("instant", "free"),
-    "09.5": ("collective", "reduce_scatter"), "09.7": ("computes", "forward", "start"),
-    "09.8": ("computes", "forward", "end"), "09.9": ("computes", "backward", "start"),
-    "09.10": ("computes", "backward", "end"),
-}
-
-
 def _put(fbh, task, fn, originals):
     owner_name, attr, _ = REFERENCES[task]
     owner = fbh if owner_name is None else getattr(fbh, owner_name)
     if (owner, attr) not in originals:
         originals[(owner, attr)] = getattr(owner, attr)
-    if task in DECORATORS:
-        schedule = load(LESSON, "schedule")
-        decorator, *args = DECORATORS[task]
-        fn = getattr(schedule, decorator)(*args)(fn)
     setattr(owner, attr, fn)
 
 
 def use_references(fbh, keep=(), originals=None) -> dict:
-    """From now on in this rank process, every task not in ``keep`` runs its reference, logged
-    as the lesson logs its own. Returns what was replaced."""
+    """From now on in this rank process, every task not in ``keep`` runs its reference (which
+    :func:`recorded` logs as it logs the lesson's own). Returns what was replaced."""
     originals = {} if originals is None else originals
     for task, (_, _, ref) in REFERENCES.items():
         if task not in keep:
@@ -257,10 +245,17 @@ def fake_reduce_scatter(unit):
     return Done()
 
 
+def recorded(fsdp):
+    """``fsdp``, logged from now on by schedule.py's recorder (which wraps the object's methods,
+    whoever wrote them) in ``fsdp.timeline``."""
+    fsdp.timeline = load(LESSON, "schedule").record(fsdp)
+    return fsdp
+
+
 def check_each_unit_gathered_once(fsdp) -> None:
     """A step gathers each block once in forward and once in backward, and waits for all."""
     counts: dict[tuple[str, str], int] = {}
-    for e in fsdp.events:
+    for e in fsdp.timeline.events:
         if e["kind"] == "gather":
             counts[(e["unit"], e["phase"])] = counts.get((e["unit"], e["phase"]), 0) + 1
     for (unit, phase), n in counts.items():
@@ -285,13 +280,13 @@ def collective_order(fbh, keep, compute_dtype) -> list[tuple[str, str, str]]:
         torch.manual_seed(0)
         fsdp = fbh.FSDP(TinyTransformer(**MODEL), compute_dtype=compute_dtype)
         add_probes(fsdp, {})
-        fsdp.record = True
+        recorded(fsdp)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         inputs, targets = batch(0, 0, rank, world_size)
         loss_of(fsdp(inputs), targets).backward()
         fsdp.finish_grad_sync()
         check_each_unit_gathered_once(fsdp)
-        return [(e["kind"], e["unit"], e["phase"]) for e in fsdp.events
+        return [(e["kind"], e["unit"], e["phase"]) for e in fsdp.timeline.events
                 if e["kind"] in ("gather", "reduce_scatter")]
     finally:
         restore(originals)
@@ -383,6 +378,55 @@ def _layout(fsdp) -> dict:
             for u in fsdp.all_units}
 
 
+@contextmanager
+def sent_dtypes():
+    """The dtypes of the tensors this rank sends in all-gathers while inside (a set)."""
+    seen: set = set()
+    saved = {}
+    for name in ("all_gather_into_tensor", "all_gather"):
+        real = getattr(dist, name)
+
+        def spy(*args, real=real, **kwargs):
+            tensor = args[1] if len(args) > 1 else kwargs.get("input_tensor",
+                                                               kwargs.get("tensor"))
+            if torch.is_tensor(tensor):
+                seen.add(str(tensor.dtype))
+            return real(*args, **kwargs)
+
+        saved[name] = real
+        setattr(dist, name, spy)
+    try:
+        yield seen
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+
+
+def run_steps(fsdp, optimizer, run, log, rank, world_size, steps, micro) -> None:
+    """The training steps of ``scenario``: what each step leaves is put in ``run``."""
+    for step in range(steps):
+        fsdp.timeline.events.clear()
+        optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for m in range(micro):
+            inputs, targets = batch(step, m, rank, world_size)
+            loss = loss_of(fsdp(inputs), targets)
+            loss.backward()
+            fsdp.finish_grad_sync()
+            losses.append(loss.item())
+            pending = [u.name for u in fsdp.all_units
+                       if u.grad_handle is not None or u.handle is not None]
+            if pending:
+                raise AssertionError(f"collectives of unit(s) {pending} were still pending "
+                                     "after finish_grad_sync(): it must wait for them all")
+        run["losses"].append(losses)
+        run["grads"].append({u.name: u.shard.grad.detach().clone() for u in fsdp.all_units})
+        run["post_backward_calls"] = dict(log["post_backward_calls"])
+        log["post_backward_calls"].clear()
+        optimizer.step()
+        run["shards"].append({u.name: u.shard.detach().clone() for u in fsdp.all_units})
+
+
 def scenario(rank: int, world_size: int, keep=(), dtypes=(None,), steps: int = 3,
              micro: int = 1, no_prefetch_step: bool = False, eval_forward: bool = False,
              full_params: bool = False) -> dict:
@@ -404,34 +448,16 @@ def scenario(rank: int, world_size: int, keep=(), dtypes=(None,), steps: int = 3
         fsdp = fbh.FSDP(TinyTransformer(**MODEL), compute_dtype=dtype)
         log: dict = {}
         add_probes(fsdp, log)
+        recorded(fsdp)
         optimizer = torch.optim.AdamW(fsdp.parameters(), **OPTIM)
         run = {"layout": _layout(fsdp), "losses": [], "grads": [], "shards": [],
                "shard_dtypes": [str(p.dtype) for p in fsdp.parameters()],
                "n_parameters": len(list(fsdp.parameters())),
                "numel_parameters": sum(p.numel() for p in fsdp.parameters())}
-        for step in range(steps):
-            fsdp.timeline.events.clear()
-            fsdp.record = True
-            optimizer.zero_grad(set_to_none=True)
-            losses = []
-            for m in range(micro):
-                inputs, targets = batch(step, m, rank, world_size)
-                loss = loss_of(fsdp(inputs), targets)
-                loss.backward()
-                fsdp.finish_grad_sync()
-                losses.append(loss.item())
-                pending = [u.name for u in fsdp.all_units
-                           if u.grad_handle is not None or u.handle is not None]
-                if pending:
-                    raise AssertionError(f"collectives of unit(s) {pending} were still pending "
-                                         "after finish_grad_sync(): it must wait for them all")
-            run["losses"].append(losses)
-            run["grads"].append({u.name: u.shard.grad.detach().clone() for u in fsdp.all_units})
-            run["post_backward_calls"] = dict(log["post_backward_calls"])
-            log["post_backward_calls"].clear()
-            optimizer.step()
-            run["shards"].append({u.name: u.shard.detach().clone() for u in fsdp.all_units})
-        run["events"] = list(fsdp.events)
+        with sent_dtypes() as sent:
+            run_steps(fsdp, optimizer, run, log, rank, world_size, steps, micro)
+        run["gather_dtypes"] = sorted(sent)
+        run["events"] = list(fsdp.timeline.events)
         run["memory"] = fsdp.memory()
         run["full_grads_left"] = [u.name for u in fsdp.all_units if u.full.grad is not None]
         run["compute_dtypes"] = sorted(str(d) for d in log["compute_dtypes"])
@@ -450,9 +476,9 @@ def scenario(rank: int, world_size: int, keep=(), dtypes=(None,), steps: int = 3
         if no_prefetch_step:
             torch.manual_seed(0)
             plain = fbh.FSDP(TinyTransformer(**MODEL), compute_dtype=dtype, prefetch=False)
-            plain.record = True
+            recorded(plain)
             inputs, targets = batch(0, 0, rank, world_size)
             loss_of(plain(inputs), targets).backward()
             plain.finish_grad_sync()
-            out["runs"][str(dtype)]["events_no_prefetch"] = list(plain.events)
+            out["runs"][str(dtype)]["events_no_prefetch"] = list(plain.timeline.events)
     return out

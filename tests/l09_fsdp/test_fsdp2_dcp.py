@@ -244,21 +244,24 @@ def test_materialize_allocates_only_this_ranks_shards(checks):
 # --- 09.20 slices of the global batch -------------------------------------------------------
 
 @pytest.mark.task("09.20")
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_rank_slices_split_the_global_batch(fp, world_size):
-    x, y = torch.arange(8).view(8, 1), torch.arange(100, 108).view(8, 1)
+@pytest.mark.parametrize("world_size, size", [(1, 8), (2, 8), (4, 8), (3, 12), (2, 6)])
+def test_rank_slices_split_the_global_batch(fp, world_size, size):
+    """Batches of other sizes than the lesson's 8 too: a slice's length comes from the batch
+    it is given."""
+    x, y = torch.arange(size).view(size, 1), torch.arange(100, 100 + size).view(size, 1)
     pieces = [fp.rank_slice(x, y, r, world_size) for r in range(world_size)]
     for r, (px, py) in enumerate(pieces):
-        assert len(px) == 8 // world_size, (
-            f"rank {r} of {world_size} got {len(px)} of the 8 sequences, not "
-            f"{8 // world_size}: the ranks share the global batch equally")
+        assert len(px) == size // world_size, (
+            f"rank {r} of {world_size} got {len(px)} of the {size} sequences, not "
+            f"{size // world_size}: the ranks share the global batch equally (its length is "
+            "len(inputs), whatever the batch size)")
         assert torch.equal(py - 100, px), (
             f"rank {r} of {world_size}: its targets are not those of its inputs")
     got = torch.cat([px for px, _ in pieces]).flatten().tolist()
-    assert got == list(range(8)), (
+    assert got == list(range(size)), (
         f"the slices of ranks 0..{world_size - 1}, in order, hold {got}, not the global batch "
-        "0..7: each rank takes its own piece, by rank, so that any number of ranks trains on "
-        "the same batch")
+        f"0..{size - 1}: each rank takes its own piece, by rank, so that any number of ranks "
+        "trains on the same batch")
 
 
 @pytest.mark.task("09.20")
@@ -491,3 +494,129 @@ def test_resume_demo_says_where_each_runs_ranks_computed(monkeypatch, gpus, labe
     assert [row.get("ranks") for row in rows] == labels, (
         "every row of the resume table must say where its ranks computed: with fewer GPUs "
         "than ranks they share the GPUs (gloo), and the table mixes that with NCCL runs")
+
+
+# --- at 3 ranks, and the checkpoint's layout -------------------------------------------------
+#
+# 64 rows over 3 ranks are 22, 22 and 20 (fully_shard splits dim 0 as torch.chunk does): a
+# formula for a shard's rows that holds at 1, 2 and 4 ranks can be wrong here. One launch at 3
+# ranks checks materialize, the layout of a save, a load and who writes the export.
+
+def chunks_of(shape, world_size) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of each rank's piece of a tensor of ``shape`` sharded on dim 0."""
+    out, start = [], 0
+    for rows in (len(c) for c in torch.arange(shape[0]).chunk(world_size)):
+        out.append(((start, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
+        start += rows
+    return out
+
+
+def check_sharded_layout(folder, world_size: int) -> None:
+    """Every parameter, and Adam's two moments of it, in the checkpoint at ``folder`` are
+    stored as one piece per rank, each rank's own rows: read from DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    shapes = {n: tuple(p.shape) for n, p in TinyTransformer(**load(
+        LESSON, "fsdp2_practice").CONFIG).named_parameters()}
+    keys = {f"model.{n}": shape for n, shape in shapes.items()}
+    keys.update({f"optim.state.{n}.{m}": shape for n, shape in shapes.items()
+                 for m in ("exp_avg", "exp_avg_sq")})
+    for key, shape in keys.items():
+        entry = meta.get(key)
+        assert isinstance(entry, TensorStorageMetadata), (
+            f"{key} is not a tensor in the checkpoint at {world_size} ranks "
+            f"({type(entry).__name__}): save get_state_dict's model and optimizer state")
+        got = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        want = chunks_of(shape, world_size)
+        if got == [((0,) * len(shape), shape)]:
+            pytest.fail(f"{key} is stored whole, in one piece, at {world_size} ranks: the "
+                        "checkpoint holds gathered, unsharded tensors. Save the sharded "
+                        "state dicts get_state_dict gives by default (no full_state_dict): "
+                        "each rank writes its own shard, and nobody gathers the model",
+                        pytrace=False)
+        assert got == want, (
+            f"{key} of shape {shape} is stored in pieces {got} (offsets, sizes) at "
+            f"{world_size} ranks, not one per rank, {want}: each rank must save its own "
+            "shard, as sharded")
+
+
+@pytest.fixture(scope="module")
+def three(saved, ckpt_dir):
+    """Every rank's view of the 3-rank launch (it loads the 2-rank reference checkpoint)."""
+    return run_distributed(rank_fns.three_rank_checks, world_size=3, timeout=200, kwargs={
+        "folder": str(ckpt_dir / "lesson3"), "reference": str(saved["paths"]["reference"]),
+        "export": str(ckpt_dir / "full3.pt"), "init_seed": INIT_SEED})
+
+
+@pytest.mark.task("09.19")
+@pytest.mark.timeout(300)
+def test_sharded_init_at_3_ranks_with_uneven_shards(fp, three):
+    init = part(three[0]["init"])
+    want = fp.init_full(TinyTransformer(**fp.CONFIG), INIT_SEED)
+    for name, p in want.named_parameters():
+        got = init["full"][name]
+        if torch.equal(got, p.detach()):
+            continue
+        starts = [start for (start, *_), _ in chunks_of(tuple(p.shape), 3)]
+        bad = [r for r, start in enumerate(starts) if p.dim() > 1 and not torch.equal(
+            got[start:start + 1], p[start:start + 1].detach())]
+        pytest.fail(
+            f"at 3 ranks, {name} (shape {tuple(p.shape)}) after materialize differs from the "
+            f"seeded init of the whole model (largest gap {(got - p).abs().max():.3g}); the "
+            f"shards start at rows {starts}" + (f", and rank(s) {bad} filled the wrong rows" if
+                                               bad else "") + ": the rows split as torch.chunk "
+            "splits them (ceil(rows / N) each, the last fewer), so rank r's first row is not "
+            "r x its own length: take it from shard_rows(param)")
+
+
+@pytest.mark.task("09.21")
+@pytest.mark.timeout(300)
+def test_the_checkpoint_holds_one_piece_per_rank_of_every_tensor(saved, three, ckpt_dir):
+    """Read from DCP's metadata, at 2 ranks and at 3 (uneven shards): counting the files would
+    not tell a sharded save from one of gathered, whole tensors."""
+    part(saved["save"])
+    check_sharded_layout(saved["paths"]["lesson"], 2)
+    part(three[0]["save"])
+    check_sharded_layout(ckpt_dir / "lesson3", 3)
+
+
+@pytest.mark.task("09.22")
+@pytest.mark.timeout(300)
+def test_resume_at_3_ranks_loads_the_saved_state_into_uneven_shards(saved, three):
+    r = part(three[0]["resume"])
+    assert r["start"] == SAVE_AT, (
+        f"load_checkpoint returned step {r['start']} at 3 ranks, not the saved {SAVE_AT}")
+    for kind in ("params", "adam"):
+        for name, want in saved["saved"][kind].items():
+            got = r["loaded"][kind].get(name)
+            assert got is not None and torch.equal(got, want), (
+                f"at 3 ranks (shards of 22, 22 and 20 rows), "
+                f"{'the weights' if kind == 'params' else 'Adam state'} of {name} after "
+                "load_checkpoint are not those saved at 2 ranks: let DCP read each rank's "
+                "rows into state dicts shaped like this run's shards (get_state_dict), then "
+                "set_state_dict")
+
+
+@pytest.mark.task("09.23")
+@pytest.mark.timeout(300)
+def test_the_export_is_written_by_rank_0_alone(fp, three):
+    """Counted with a spy on torch.save in every rank: a file meant to be written once must
+    not be written by every rank (N writers race to the same path)."""
+    for rank, r in enumerate(three):
+        export = r["export"]
+        if export["error"]:
+            pytest.fail(f"export_full failed at 3 ranks on rank {rank}: {export['error']}\n\n"
+                        f"{export['trace']}", pytrace=False)
+        if rank == 0:
+            assert export["writes"], (
+                "rank 0 wrote nothing in export_full at 3 ranks: rank 0 writes the file")
+        else:
+            assert not export["writes"], (
+                f"rank {rank} also wrote in export_full ({len(export['writes'])} torch.save): "
+                "every rank takes part in gathering the whole tensors, but one rank, rank 0, "
+                "writes the file (if get_rank() == 0)")
+    want = {k: tuple(v.shape) for k, v in TinyTransformer(**fp.CONFIG).state_dict().items()}
+    assert three[0]["export"].get("shapes") == want, (
+        "the file exported at 3 ranks does not hold the whole model's tensors in their shapes")

@@ -3,10 +3,10 @@
 With NCCL a collective's handle completes when the collective is queued and ``wait()`` returns
 at once: a recorder that stamps ends in a future callback and waits with the host's clock sees
 every gather end when it is issued and the compute never wait, with or without prefetch.
-These tests run the recorder's own code (``schedule.Timeline``, the ``collective`` decorator,
-``fsdp_by_hand.Unit.wait``) on tests/fake_device.py's NCCL-like handles, whose collectives end
-at known device times, once on the host's clock and once on the device's. Nothing here
-depends on the machine's speed.
+These tests run the recorder's own code (``schedule.Timeline``, the wrappers ``schedule.record``
+puts on an FSDP object and its units from outside, around the given ``fsdp_by_hand.Unit.wait``)
+on tests/fake_device.py's NCCL-like handles, whose collectives end at known device times, once
+on the host's clock and once on the device's. Nothing here depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -25,22 +25,34 @@ GATHER_S = 0.050  # each all-gather takes 50 ms on the device
 def one_step(device, clock, prefetch: bool) -> list[dict]:
     """Two blocks' forward as FSDP runs it, 30 ms of compute each, every gather 50 ms:
     the recorder's events, in seconds."""
-    schedule, fbh = load(LESSON, "schedule"), load(LESSON, "fsdp_by_hand")
+    schedule = load(LESSON, "schedule")
     timeline = schedule.Timeline(clock=clock)
     timeline.on = True
-    gather = schedule.collective("gather")(lambda unit: device.collective(GATHER_S))
-    units = [types.SimpleNamespace(name=f"blocks.{i}", timeline=timeline, handle=None)
-             for i in range(2)]
+    units = [fake_unit(f"blocks.{i}", device) for i in range(2)]
+    for unit in units:
+        schedule.watch_unit(unit, timeline)
     for i, unit in enumerate(units):
         if unit.handle is None:
-            unit.handle = gather(unit)
+            unit.handle = unit.gather()
         if prefetch and i + 1 < len(units):
-            units[i + 1].handle = gather(units[i + 1])
-        fbh.Unit.wait(unit)  # the given wait: the handle waited, the wait logged
+            units[i + 1].handle = units[i + 1].gather()
+        unit.wait()  # the given wait, wrapped: the handle waited, the wait logged
         timeline.open(unit.name, "forward")
         device.compute(0.030)
         timeline.close(unit.name, "forward")
     return timeline.events
+
+
+def fake_unit(name: str, device):
+    """A unit whose collectives run on the fake device, with fsdp_by_hand's given waits."""
+    fbh = load(LESSON, "fsdp_by_hand")
+    unit = types.SimpleNamespace(name=name, handle=None, grad_handle=None, grad_full=None)
+    unit.gather = lambda: device.collective(GATHER_S)
+    unit.reduce_scatter = lambda: device.collective(GATHER_S / 2)
+    unit.free = lambda: None
+    unit.wait = types.MethodType(fbh.Unit.wait, unit)
+    unit.wait_grad = types.MethodType(fbh.Unit.wait_grad, unit)
+    return unit
 
 
 def waiting(events) -> float:
@@ -160,3 +172,90 @@ def test_the_prefetch_panels_share_one_time_axis(monkeypatch, tmp_path):
         f"x ranges {top.get_xlim()} and {bottom.get_xlim()}: panels that are compared must share "
         "their time axis (sharex=True)")
     plt.close("all")
+
+
+def fake_fsdp_class(device):
+    """An FSDP-shaped class (the root and two blocks) whose step runs on the fake device, with
+    the hooks called through the object, as fsdp_by_hand's module hooks call them."""
+
+    class FakeFSDP:
+        def __init__(self):
+            self.root = fake_unit("root", device)
+            self.units = [fake_unit(f"blocks.{i}", device) for i in range(2)]
+            self.all_units = [self.root, *self.units]
+
+        def forward(self):
+            self.root.handle = self.root.gather()
+            self.root.wait()
+            for unit in self.units:
+                self._pre_forward(unit)
+                device.compute(0.030)
+                self._post_forward(unit, None)
+
+        def backward(self):
+            for unit in reversed(self.units):
+                self._pre_backward(unit)
+                device.compute(0.030)
+                self._post_backward(unit)
+            self._post_backward(self.root)
+            for unit in self.all_units:
+                unit.wait_grad()
+
+        def _pre_forward(self, unit):
+            unit.handle = unit.gather()
+            unit.wait()
+
+        def _post_forward(self, unit, output):
+            unit.free()
+
+        def _pre_backward(self, unit):
+            unit.handle = unit.gather()
+            unit.wait()
+
+        def _post_backward(self, unit):
+            unit.grad_handle = unit.reduce_scatter()
+            unit.free()
+
+    return FakeFSDP
+
+
+def test_record_wraps_one_object_from_outside_and_logs_its_step():
+    """schedule.record(fsdp) logs one object's gathers, computes, frees, reduce-scatters and
+    waits, each in its phase, without touching the class (fsdp_by_hand.py knows nothing of
+    the recorder) or any other object; once per object; nothing while paused."""
+    schedule = load(LESSON, "schedule")
+    device = FakeDevice()
+    FakeFSDP = fake_fsdp_class(device)
+    written = {name: FakeFSDP.__dict__[name] for name in ("forward", *schedule.HOOKS)}
+    fsdp, other = FakeFSDP(), FakeFSDP()
+    timeline = schedule.record(fsdp, clock=FakeHostClock(device))
+    fsdp.forward()
+    fsdp.backward()
+    other.forward()
+    other.backward()
+    assert {name: FakeFSDP.__dict__[name] for name in written} == written, (
+        "record() changed the class: it must wrap the one object it is given")
+    seen = [(e["kind"], e["unit"], e["phase"]) for e in timeline.events if e["kind"] != "wait"]
+    f, b = "forward", "backward"
+    assert seen == [
+        ("gather", "root", f),
+        ("gather", "blocks.0", f), ("compute", "blocks.0", f), ("free", "blocks.0", f),
+        ("gather", "blocks.1", f), ("compute", "blocks.1", f), ("free", "blocks.1", f),
+        ("gather", "blocks.1", b), ("compute", "blocks.1", b),
+        ("reduce_scatter", "blocks.1", b), ("free", "blocks.1", b),
+        ("gather", "blocks.0", b), ("compute", "blocks.0", b),
+        ("reduce_scatter", "blocks.0", b), ("free", "blocks.0", b),
+        ("reduce_scatter", "root", b), ("free", "root", b),
+    ], seen
+    waits = [e["unit"] for e in timeline.events if e["kind"] == "wait"]
+    assert waits == ["root", "blocks.0", "blocks.1", "blocks.1", "blocks.0",
+                     "root", "blocks.0", "blocks.1"], waits
+    timeline.events.clear()
+    fsdp.forward()  # after a backward: forward() starts the forward phase again
+    assert timeline.events[0]["kind"] == "gather" and timeline.events[0]["phase"] == f
+    timeline.events.clear()
+    timeline.on = False
+    fsdp.forward()
+    assert timeline.events == []
+    with pytest.raises(ValueError, match="already recorded"):
+        schedule.record(fsdp)

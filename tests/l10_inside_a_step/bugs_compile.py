@@ -4,6 +4,7 @@ from tests.planted import Bug
 
 C = "10_inside_a_step/compile_ddp.py"
 T = "tests/l10_inside_a_step/test_compile.py::"
+T3 = "tests/l10_inside_a_step/test_at_three_ranks.py::"  # what only 3 ranks show
 
 BUGS = [
     # --- 10.5 GraphRecorder --------------------------------------------------------------------
@@ -52,6 +53,15 @@ BUGS = [
         expect=r"so it must still average",
         why="returns the bucket as it is: the hook replaced DDP's all-reduce, so each rank "
             "trains on its own gradients and the replicas drift apart"),
+    Bug("10.6-averages-over-two", C, where="10.6",
+        find="        return allreduce_hook(state, bucket)\n",
+        replace="        buffer = bucket.buffer().div_(2)\n"
+                "        work = dist.all_reduce(buffer, async_op=True)\n"
+                "        return work.get_future().then(lambda fut: fut.value()[0])\n",
+        tests=(T3 + "test_bucket_recorder_averages_over_three_ranks",),
+        expect=r"it divides by 2, not by the world size",
+        why="writes DDP's average by hand for the lesson's 2 ranks: at 3 the gradients are "
+            "1.5 times too big"),
     Bug("10.6-one-dict-for-every-step", C, where="10.6",
         find="if bucket.index() == 0:",
         replace="if not self.steps:",

@@ -5,6 +5,7 @@ from tests.planted import Bug
 H = "10_inside_a_step/hang_clinic.py"
 T = "tests/l10_inside_a_step/test_hangs.py::"
 NOT_FINISHED = r"did not finish on \d ranks"
+T3 = "tests/l10_inside_a_step/test_at_three_ranks.py::"  # what only 3 ranks show
 
 BUGS = [
     # 10.11 order
@@ -57,6 +58,13 @@ BUGS = [
         tests=(T + "test_rank0_diagnosis_names_the_cause_with_evidence",),
         expect=r"the 'rank0' case's cause is not LOCAL_SKIP",
         why="confuses a branch on the rank with a skip on a rank's own data"),
+    Bug("10.12-every-rank-prints", H, where="10.12",
+        find='    if rank == 0:\n        print(f"epoch mean loss {mean:.4f}")\n',
+        replace='    print(f"epoch mean loss {mean:.4f}")\n',
+        tests=(T3 + "test_rank0_fix_prints_the_mean_once_on_rank_0",),
+        expect=r"the log line is written once, by rank 0",
+        why="moves the print out of the branch with the all_reduce: every rank logs the "
+            "same line"),
     # 10.13 shapes
     Bug("10.13-padding-kept", H, where="10.13",
         find="return torch.cat([g[: int(n)] for g, n in zip(gathered, lengths)])",
@@ -80,6 +88,19 @@ BUGS = [
         tests=(T + "test_shapes_diagnosis_names_the_cause_with_evidence",),
         expect=r"the 'shapes' case's cause is not ORDER",
         why="the ranks call the same one collective: the order is the same, the shapes are not"),
+    Bug("10.13-pads-to-rank-0s-length", H, where="10.13",
+        find="longest = max(int(n) for n in lengths)", replace="longest = int(lengths[0])",
+        tests=(T3 + "test_gather_predictions_whatever_rank_is_longest_and_whatever_dtype",),
+        expect=r"pad to the longest of every rank's length",
+        why="takes rank 0's length for the longest, as in the clinic's data (rank 0 holds the "
+            "most at 2 ranks and at 3): a longer rank is cut short"),
+    Bug("10.13-pads-in-float32", H, where="10.13",
+        find="padded = F.pad(preds, (0, longest - preds.numel()))",
+        replace="padded = torch.zeros(longest)\n    padded[: preds.numel()] = preds",
+        tests=(T3 + "test_gather_predictions_whatever_rank_is_longest_and_whatever_dtype",),
+        expect=r"a float32 buffer turns class ids into floats",
+        why="pads into a float32 buffer: the clinic's float32 predictions pass, class ids "
+            "(int64) come back as floats"),
     # 10.14 uneven
     Bug("10.14-no-join", H, where="10.14",
         find="    with Join([model]):\n        for x, y in uneven_batches(rank):\n"

@@ -4,6 +4,7 @@ from tests.planted import Bug
 
 H = "10_inside_a_step/comm_hooks.py"
 T = "tests/l10_inside_a_step/test_hooks.py::"
+T3 = "tests/l10_inside_a_step/test_at_three_ranks.py::"  # what only 3 ranks show
 
 BUGS = [
     # --- 10.8 bf16_hook_by_hand --------------------------------------------------------------
@@ -44,6 +45,29 @@ BUGS = [
         expect=r"the Future's tensor is a new tensor",
         why="decompresses into a new fp32 tensor: one more bucket-sized buffer per bucket, "
             "and the bucket's own buffer keeps the local gradients"),
+    Bug("10.8-divides-by-two", H, where="10.8",
+        find="compressed = bucket.buffer().to(torch.bfloat16).div_(world_size)",
+        replace="compressed = bucket.buffer().to(torch.bfloat16).div_(2)",
+        tests=(T3 + "test_hand_hook_gives_torchs_bits_at_three_ranks",),
+        expect=r"it divides by 2, not by the world size",
+        why="averages over the 2 ranks the lesson runs: at 3 every gradient is 1.5 times "
+            "too big"),
+    Bug("10.8-divides-in-fp32", H, where="10.8",
+        find="compressed = bucket.buffer().to(torch.bfloat16).div_(world_size)",
+        replace="compressed = bucket.buffer().div(world_size).to(torch.bfloat16)",
+        tests=(T3 + "test_hand_hook_gives_torchs_bits_at_three_ranks",),
+        expect=r"close to the mean but not bit for bit",
+        why="divides the fp32 buffer, then rounds to bf16: at 3 ranks a different rounding "
+            "from torch's hook (at 2 the division is exact and the bits agree)"),
+    Bug("10.8-divides-after-the-sum", H, where="10.8",
+        find="compressed = bucket.buffer().to(torch.bfloat16).div_(world_size)",
+        replace="compressed = bucket.buffer().to(torch.bfloat16)",
+        more=(("10.8", "        buffer.copy_(fut.value()[0])\n",
+               "        buffer.copy_(fut.value()[0]).div_(world_size)\n"),),
+        tests=(T3 + "test_hand_hook_gives_torchs_bits_at_three_ranks",),
+        expect=r"close to the mean but not bit for bit",
+        why="sums the undivided bf16 gradients, then divides the fp32 result: other bits "
+            "than torch's hook at 3 ranks, and a sum that can overflow fp16"),
     # --- 10.9 attach_hook ------------------------------------------------------------------
     Bug("10.9-powersgd-rank-ignored", H, where="10.9",
         find='matrix_approximation_rank=o["rank"]', replace="matrix_approximation_rank=1",
@@ -88,4 +112,13 @@ BUGS = [
         tests=(T + "test_counter_counts_the_bytes_of_every_all_reduce_and_puts_it_back",),
         expect=r"must return what the real all_reduce returns",
         why="the wrapper returns None: every hook's .get_future() fails"),
+    Bug("10.10-counts-link-bytes", H, where="10.10",
+        find="self.bytes += tensor.numel() * tensor.element_size()",
+        replace="n = dist.get_world_size()\n"
+                "            self.bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() "
+                "// n",
+        tests=(T3 + "test_counter_counts_the_payload_at_three_ranks",),
+        expect=r"the bytes a ring all-reduce puts on each link",
+        why="counts what a ring all-reduce sends per rank, 2 (N - 1) / N of the payload: the "
+            "payload at 2 ranks, 4/3 of it at 3"),
 ]

@@ -24,6 +24,13 @@ BUGS = [
         replace="t0 = 0.0",
         tests=(READ,), expect=r"times start at the earliest \*complete\* event",
         why="times are kept from the profiler's clock origin, not from the trace's first event"),
+    Bug("10.1-origin-at-the-first-in-the-file", F, where="10.1",
+        find='t0 = min(float(e["ts"]) for e in complete)',
+        replace='t0 = float(complete[0]["ts"])',
+        tests=(T + "test_read_trace_measures_from_the_earliest_event_not_the_first_in_the_file",),
+        expect=r"measure from the smallest ts of the complete events",
+        why="takes the first complete event in the file for the earliest: a trace is not "
+            "sorted by time, and events before it get negative times"),
     Bug("10.1-keeps-metadata", F, where="10.1",
         find='complete = [e for e in raw if e.get("ph") == "X"]',
         replace='complete = [e for e in raw if "ts" in e]',

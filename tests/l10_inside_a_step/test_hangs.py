@@ -60,9 +60,9 @@ def hr():
     return load(LESSON, "hang_runner")
 
 
-def run_fixed(hr, case: str, world_size: int):
+def run_fixed(hc, case: str, world_size: int):
     """The fixed case's per-rank results; raises a task's NotImplementedError from the ranks."""
-    report = hr.run_case(case, fixed=True, world_size=world_size, timeout_s=FIXED_TIMEOUT)
+    report = hc.run_case(case, fixed=True, world_size=world_size, timeout_s=FIXED_TIMEOUT)
     stub = STUB.search(report.text)
     if stub:
         raise NotImplementedError(stub.group(1))
@@ -91,7 +91,7 @@ def check_diagnosis(hc, hr, case: str, cause_name: str) -> None:
     assert not (any(needle in g for g in GENERIC) or FAULTHANDLER_HEAD.fullmatch(needle)), (
         f"the evidence {diagnosis.evidence!r} is printed by every hang: copy the line that "
         "shows what differs between the ranks")
-    report = hr.run_case(case, fixed=False, tool=diagnosis.tool, timeout_s=BROKEN_TIMEOUT)
+    report = hc.run_case(case, fixed=False, tool=diagnosis.tool, timeout_s=BROKEN_TIMEOUT)
     assert not report.finished, f"the broken {case!r} case finished:\n{report.text}"
     assert hr.evidence_found(diagnosis.evidence, report.text), (
         f"the evidence {diagnosis.evidence!r} is not in the {diagnosis.tool} report of the "
@@ -102,8 +102,8 @@ def check_diagnosis(hc, hr, case: str, cause_name: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["order", "rank0", "shapes", "uneven", "nonfinite"])
-def test_every_broken_case_fails_within_its_timeout(hr, case):
-    report = hr.run_case(case, fixed=False, timeout_s=BROKEN_TIMEOUT)
+def test_every_broken_case_fails_within_its_timeout(hc, case):
+    report = hc.run_case(case, fixed=False, timeout_s=BROKEN_TIMEOUT)
     assert not report.finished, f"the broken {case!r} case finished: the clinic is not honest"
     assert report.text.startswith(f"=== case {case} (broken)")
     assert "FAILED" in report.text or "did not return" in report.text, report.text
@@ -139,13 +139,20 @@ def test_normalise_removes_what_varies_between_runs(hr):
     assert not hr.evidence_found("   ", a)
 
 
-def test_runner_rejects_bad_input_in_one_line(hr):
+def test_runner_rejects_bad_input_in_one_line(hc, hr):
     with pytest.raises(ValueError, match="unknown case"):
-        hr.run_case("nope")
+        hc.run_case("nope")
     with pytest.raises(ValueError, match="unknown tool"):
-        hr.run_case("order", tool="gdb")
+        hc.run_case("order", tool="gdb")
     with pytest.raises(ValueError, match="DETAIL"):
-        hr.run_case("uneven", tool="detail")
+        hc.run_case("uneven", tool="detail")
+
+    def nested(rank, world_size):
+        return rank
+
+    for fn in (lambda rank, world_size: None, nested):  # the ranks import fn by its name
+        with pytest.raises(ValueError, match="cannot import .* by name"):
+            hr.run_ranks(fn, "a case the ranks cannot import")
 
 
 @pytest.mark.timeout(60)
@@ -167,7 +174,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 MARK, LATE, SEEN = Path({mark!r}), Path({late!r}), Path({seen!r})
-NO_DETAIL = set()
 
 
 def gone(pid):
@@ -178,17 +184,23 @@ def gone(pid):
     return state == "Z"
 
 
-def rank1_dies_after_rank0_returned(error):
-    def case(rank, world_size):
-        if rank == 0:
-            MARK.write_text(str(os.getpid()))
-            raise error
-        while not MARK.exists():
-            time.sleep(0.01)
-        while not gone(int(MARK.read_text())):  # rank 0 has returned, and left
-            time.sleep(0.01)
-        os._exit(3)  # as a rank does when the store it waits on went away with rank 0
-    return case
+def rank1_dies_after_rank0_returned(rank, error):
+    if rank == 0:
+        MARK.write_text(str(os.getpid()))
+        raise error
+    while not MARK.exists():
+        time.sleep(0.01)
+    while not gone(int(MARK.read_text())):  # rank 0 has returned, and left
+        time.sleep(0.01)
+    os._exit(3)  # as a rank does when the store it waits on went away with rank 0
+
+
+def stub(rank, world_size):
+    rank1_dies_after_rank0_returned(rank, NotImplementedError("Task 10.99: to do"))
+
+
+def error(rank, world_size):
+    rank1_dies_after_rank0_returned(rank, ValueError("rank 0's own mistake"))
 
 
 def rank0_fails_at_once(rank, world_size):
@@ -210,29 +222,25 @@ def late_init(*args, **kwargs):  # rank 1 is still joining when rank 0 has faile
 
 
 dist.init_process_group = late_init
-CASES = {{
-    "stub": (None, rank1_dies_after_rank0_returned(NotImplementedError("Task 10.99: to do")), None),
-    "error": (None, rank1_dies_after_rank0_returned(ValueError("rank 0's own mistake")), None),
-    "late": (None, rank0_fails_at_once, None),
-}}
 """
 RUN_FAKE = """
 import sys
 sys.path[:0] = [{lesson!r}, {repo!r}]
+import fake_cases
 import hang_runner
 from pathlib import Path
 
 if __name__ == "__main__":
     try:
-        hang_runner.run_case("stub", fixed=True, timeout_s=5)
+        hang_runner.run_ranks(fake_cases.stub, "stub", timeout_s=5)
         print("stub: no NotImplementedError")
     except NotImplementedError as e:
         print(f"stub: NotImplementedError: {{e}}")
     Path({mark!r}).unlink()
-    print(hang_runner.run_case("error", fixed=True, timeout_s=5).text)
+    print(hang_runner.run_ranks(fake_cases.error, "error", timeout_s=5).text)
     Path({mark!r}).unlink()
     Path({late!r}).touch()
-    print(hang_runner.run_case("late", fixed=True, timeout_s=5).text)
+    print(hang_runner.run_ranks(fake_cases.rank0_fails_at_once, "late", timeout_s=5).text)
     print("rank 1 saw rank 0", Path({seen!r}).read_text())
 """
 
@@ -242,12 +250,13 @@ def test_runner_reports_every_rank_when_one_fails_first(tmp_path):
     """Rank 0 serves the store the others read while they join the group. When a case fails
     on rank 0 at once (a stub raises), rank 0 must not leave before every peer has joined,
     and when a peer dies after rank 0 returned, the report must still carry rank 0's error,
-    and a stub must still name its task (`make grade` reads the task from it)."""
+    and a stub must still name its task (`make grade` reads the task from it). The runner runs
+    the cases it is given: here a module of fake ones, beside a copy of the runner alone."""
     lesson = tmp_path / "lesson"
     lesson.mkdir()
     paths = {k: str(tmp_path / k) for k in ("mark", "late", "seen")}
     shutil.copy(script(LESSON, "hang_runner.py"), lesson / "hang_runner.py")
-    (lesson / "hang_clinic.py").write_text(FAKE_CLINIC.format(**paths))
+    (lesson / "fake_cases.py").write_text(FAKE_CLINIC.format(**paths))
     (tmp_path / "run.py").write_text(RUN_FAKE.format(lesson=str(lesson), repo=str(REPO),
                                                      **paths))
     proc = run_script(tmp_path / "run.py", timeout=80)
@@ -310,7 +319,7 @@ def test_cli_check_exits_with_an_error_unless_every_case_passed(hc, monkeypatch,
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_order_fixed_finishes_with_the_settings_and_mean_metrics(hc, hr, world_size):
-    results = run_fixed(hr, "order", world_size)
+    results = run_fixed(hc, "order", world_size)
     want_settings = hc.order_inputs(0)[0]
     want_metrics = torch.stack([hc.order_inputs(r)[1] for r in range(world_size)]).mean(0)
     for rank, (settings, metrics) in enumerate(results):
@@ -334,7 +343,7 @@ def test_order_diagnosis_names_the_cause_with_evidence(hc, hr):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_rank0_fixed_finishes_with_the_mean_over_every_rank(hc, hr, world_size):
-    results = run_fixed(hr, "rank0", world_size)
+    results = run_fixed(hc, "rank0", world_size)
     want = torch.cat([hc.epoch_losses(r) for r in range(world_size)]).mean().item()
     assert results[0] is not None, "rank 0 returned no mean: it must still compute and log it"
     assert results[0] == pytest.approx(want, abs=TOL), (
@@ -354,7 +363,7 @@ def test_rank0_diagnosis_names_the_cause_with_evidence(hc, hr):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shapes_fixed_gathers_every_prediction_once(hc, hr, world_size):
-    results = run_fixed(hr, "shapes", world_size)
+    results = run_fixed(hc, "shapes", world_size)
     want = torch.cat([hc.eval_predictions(r, world_size) for r in range(world_size)])
     for rank, got in enumerate(results):
         assert got.numel() == want.numel(), (
@@ -398,7 +407,7 @@ def reference_training(hc, batches: list[list], skip: set[int] = frozenset()):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_uneven_fixed_trains_on_every_sample_and_ends_in_sync(hc, hr, world_size):
-    results = run_fixed(hr, "uneven", world_size)
+    results = run_fixed(hc, "uneven", world_size)
     for rank, (seen, _) in enumerate(results):
         want = sum(len(x) for x, _ in hc.uneven_batches(rank))
         assert seen == want, (
@@ -425,7 +434,7 @@ def test_uneven_diagnosis_names_the_cause_with_evidence(hc, hr):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nonfinite_fixed_skips_the_bad_step_on_every_rank(hc, hr, world_size):
-    results = run_fixed(hr, "nonfinite", world_size)
+    results = run_fixed(hc, "nonfinite", world_size)
     params = [p for _, p in results]
     assert all(torch.isfinite(p).all() for p in params), (
         "NaN reached the weights: a rank stepped with the corrupt batch's gradients (skip "

@@ -1,9 +1,10 @@
 """Lesson 10: DDP communication hooks (tasks 10.8-10.10).
 
-Everything runs on 2 gloo ranks on the CPU (the suite's backend on every machine). Results
-are compared bit for bit with torch's own hooks or with references computed here from the
-ranks' inputs and the model's shapes; bytes are counted, never timed. Time limits only stop
-hangs.
+Everything runs on 2 gloo ranks on the CPU (the suite's backend on every machine); what only
+an odd number of ranks shows (where the hook divides, the bytes counted) is tested at 3 ranks
+in test_at_three_ranks.py. Results are compared bit for bit with torch's own hooks or with
+references computed here from the ranks' inputs and the model's shapes; bytes are counted,
+never timed. Time limits only stop hangs.
 """
 
 from __future__ import annotations

@@ -218,6 +218,22 @@ def test_read_trace_keeps_args_and_reads_a_bare_list(tr, tmp_path):
         "keep each event's args: a kernel's 'correlation' leads to its launch")
 
 
+@pytest.mark.task("10.1")
+def test_read_trace_measures_from_the_earliest_event_not_the_first_in_the_file(tr, tmp_path):
+    """In CPU_STEP the first complete event in the file is also the earliest; here the file
+    is in reverse order (last event first), as nothing in the format forbids."""
+    events = tr.read_trace(write(tmp_path, CPU_STEP[::-1]))
+    starts = {e.name: e.start for e in events}
+    assert min(e.start for e in events) == pytest.approx(0.0, abs=1e-9), (
+        f"the earliest event starts at {min(e.start for e in events)} ms, not 0: measure from "
+        "the smallest ts of the complete events, wherever it is in the file (not the first "
+        "event's ts)")
+    assert starts["forward"] == pytest.approx(0.0, abs=1e-9) and starts["sync"] == (
+        pytest.approx(6.0)), f"forward and sync start at {starts['forward']}, {starts['sync']}"
+    assert pairs((e.start, e.end) for e in events if e.name == "gloo:all_reduce") == (
+        pairs(CPU_COMM))
+
+
 # --- 10.2 comm_intervals, compute_intervals ------------------------------------------------------
 
 @pytest.mark.task("10.2")
