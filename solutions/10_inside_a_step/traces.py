@@ -62,8 +62,10 @@ for _lesson in ("05_ddp_from_scratch", "09_fsdp"):  # the methods traced come fr
 
 from dpt.data import REPO_ROOT  # noqa: E402
 
-OUT = REPO_ROOT / "benchmarks" / "runs" / "lessons" / "l10_traces"  # git ignores runs/
-FIGURE = REPO_ROOT / "benchmarks" / "runs" / "lessons" / "l10_timeline.png"
+# the lesson's own runs/ (git ignores it): two copies of the lesson tracing at once do not
+# overwrite each other's traces
+OUT = Path(__file__).resolve().parent / "runs" / "l10_traces"
+FIGURE = Path(__file__).resolve().parent / "runs" / "l10_timeline.png"
 REFERENCE_FIGURE = REPO_ROOT / "benchmarks" / "reference" / "lessons" / "l10_timeline.png"
 METHODS = ("torch_ddp", "naive", "overlap", "bucketed", "fsdp", "fsdp2")
 LABELS = {"torch_ddp": "torch DDP", "naive": "naive (05)", "overlap": "overlapped (05)",
