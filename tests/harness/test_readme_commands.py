@@ -116,7 +116,8 @@ EXPECT: dict[str, list[Expect]] = {
                r"batch\s+1\s+1 device \(1 thread\)\s+([\d.]+) ms\s*\n"
                r"\s*batch\s+1\s+DP by hand[^\n]*?([\d.]+) ms",
                lambda g: g[1] > 2 * g[0],
-               "DP by hand about 10x slower at batch 1 (checked: more than 2x)"),
+               "DP by hand 7 to 11x slower at batch 1 on an idle VM (checked: more than 2x, "
+               "as the check shares the cores; the batch-256 gain is not checked here)"),
     ],
     "03_ddp_spawn": [
         Expect("--limit-batches 100 --no-progress",
