@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +17,39 @@ from dpt.checkpoint import CheckpointError
 from dpt.data import is_present
 from dpt.notebook import script_env
 from tests.lessons import REPO
+
+# --- one run of several checks: each check's failure goes to its own test -------------------
+
+_STUB = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?: .*)")
+
+
+def rank_part(fn, *args, **kwargs):
+    """On a rank: ``fn(*args, **kwargs)``, or ``{"error": one line, "trace": its traceback}``
+    when it raises, so that one part of a multi-check run fails its own test, not the whole
+    run. The line is the task's stub message when a stub raised, else the first line of the
+    error. (DCP's ``CheckpointException`` is a ``BaseException``: caught too.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn(*args, **kwargs)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the test reports it
+        text = f"{type(exc).__name__}: {exc}"
+        stub = _STUB.search(text)
+        line = (f"NotImplementedError: {stub.group(1)}" if stub
+                else (text.splitlines() or [""])[0])
+        return {"error": line, "trace": traceback.format_exc()[-4000:]}
+
+
+def checked_part(result, hint: str = ""):
+    """In a test: a part's result (from :func:`rank_part`), or the test fails with the error
+    the lesson code raised, its traceback, and ``hint`` for an error other than a stub's."""
+    if isinstance(result, dict) and "error" in result:
+        error = result["error"]
+        if hint and not error.startswith("NotImplementedError"):
+            error = f"{error}: {hint}"
+        pytest.fail(f"{error}\n\n{result.get('trace', '')}", pytrace=False)
+    return result
+
 
 requires_data = pytest.mark.skipif(
     not is_present("fashion-mnist"),

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dpt.dist import device_mesh, rank_device
 from dpt.models import ConvNet
-from tests.helpers import recording_moves, unsent_message
+from tests.helpers import rank_part, recording_moves, unsent_message
 from tests.lessons import load
 
 LESSON = "08_sharding"
@@ -531,17 +531,7 @@ def demo_with_reference_partition(rank, world_size, steps=3):
 
 # --- three ranks: uneven shards, three dtypes, who writes ------------------------------------
 
-def _part(fn, *args, **kwargs):
-    """``fn``'s result, or ``{"error": its first line, "trace": its traceback}``: one part of a
-    3-rank run fails its own test, not the whole run (a task's stub raises on every rank alike,
-    so the ranks still enter the later parts together)."""
-    import traceback
-
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the test fails on it, naming it
-        return {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
-                "trace": traceback.format_exc()[-3000:]}
+_part = rank_part  # one part of a 3-rank run fails its own test, not the whole run
 
 
 # Parameters of three dtypes, in the order the tests' partition hands them out over 3 ranks:

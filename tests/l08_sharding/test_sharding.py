@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dpt.models import ConvNet, build_model
 from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import one_line_error, requires_data, run_script
+from tests.helpers import checked_part, one_line_error, requires_data, run_script
 from tests.l08_sharding import rank_fns
 from tests.lessons import load, script
 
@@ -728,11 +728,7 @@ def test_optimizer_state_bytes_reads_the_local_optimizer_and_skips_non_tensors(a
 # At 2 ranks every ConvNet row count splits evenly, a hard-coded "other rank" is right and
 # every rank owns something; in fp32 alone a buffer in the wrong dtype loses nothing.
 
-def _part(result: dict) -> dict:
-    """A part of a 3-rank run, or the test fails with the error the lesson code raised."""
-    if "error" in result:
-        pytest.fail(f"{result['error']}\n\n{result.get('trace', '')}", pytrace=False)
-    return result
+_part = checked_part
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ each test fails with its own task's message.
 
 from __future__ import annotations
 
-import traceback
 from contextlib import contextmanager
 
 import torch
@@ -21,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from dpt.dist import device_mesh, rank_device
 from dpt.memory import MemoryTracker
 from dpt.models import TinyTransformer
+from tests.helpers import rank_part
 from tests.lessons import load
 
 LESSON = "09_fsdp"
@@ -35,13 +35,7 @@ def checkpointing():
     return load(LESSON, "dcp_checkpoint")
 
 
-def _part(fn, *args, **kwargs) -> dict:
-    """``fn``'s result, or ``{"error": first line, "trace": its traceback}``."""
-    try:
-        return fn(*args, **kwargs)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the test fails on it
-        return {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
-                "trace": traceback.format_exc()[-3000:]}
+_part = rank_part
 
 
 # --- the reference pieces ------------------------------------------------------------------

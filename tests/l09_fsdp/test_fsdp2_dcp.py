@@ -26,7 +26,7 @@ import torch
 from dpt.checkpoint import dcp_problem
 from dpt.models import TinyTransformer
 from dpt.ranks import run_distributed
-from tests.helpers import one_line_error, run_script
+from tests.helpers import checked_part, one_line_error, run_script
 from tests.l09_fsdp import rank_fns_dcp as rank_fns
 from tests.lessons import load, script
 
@@ -69,15 +69,7 @@ def checks():
                            kwargs={"steps": CHECK_STEPS, "init_seed": INIT_SEED})[0]
 
 
-def part(result: dict, hint: str = "") -> dict:
-    """A check's result, or the test fails with the error the lesson code raised (and, for an
-    error other than a task's stub, ``hint``)."""
-    if isinstance(result, dict) and "error" in result:
-        error = result["error"]
-        if hint and not error.startswith("NotImplementedError"):
-            error = f"{error}: {hint}"
-        pytest.fail(f"{error}\n\n{result.get('trace', '')}", pytrace=False)
-    return result
+part = checked_part
 
 
 def assert_losses(got, want, tol, what, why):

@@ -13,19 +13,16 @@ gradients arrived at step 0, and only eager autograd gives that order layer by l
 
 from __future__ import annotations
 
-import re
-import traceback
-
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.helpers import rank_part
 from tests.lessons import load
 
 LESSON = "10_inside_a_step"
 CAPS = (None, 1, 2)  # MiB; None is DDP's default (25 MiB, first bucket 1 MiB)
 STEPS = 3
-STUB = re.compile(r"NotImplementedError: (Task 10\.\d+: .*)")
 
 
 # --- the test's own answer to each task ----------------------------------------------------
@@ -80,16 +77,7 @@ def ref_build(model, bucket_cap_mb=None, backend="inductor"):
 
 # --- the checks ---------------------------------------------------------------------------
 
-def part(fn, *args, **kwargs):
-    """``fn``'s result, or ``{"error": its stub's line or its first line, "trace": ...}``."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - every failure goes back to the test
-        text = f"{type(exc).__name__}: {exc}"
-        stub = STUB.search(text)
-        first = (f"NotImplementedError: {stub.group(1)}" if stub
-                 else (text.splitlines() or [""])[0])
-        return {"error": first, "trace": traceback.format_exc()[-4000:]}
+part = rank_part
 
 
 class Spy:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import re
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,11 +24,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dpt.dist import rank_device
+from tests.helpers import rank_part
 from tests.l10_inside_a_step import rank_fns_hooks as rf
 from tests.lessons import load
 
 LESSON = "10_inside_a_step"
-STUB = re.compile(r"NotImplementedError: (Task 10\.\d+: .*)")
 # 10.13: the lengths each rank holds (rank 1 the longest, rank 0 not) and the dtypes of what
 # is gathered (class ids, and the float32 the clinic's case uses)
 GATHER_LENGTHS = (2, 5, 3)
@@ -38,16 +36,11 @@ GATHER_DTYPES = (torch.int64, torch.float32)
 
 
 def part(fn, *args, **kwargs):
-    """``fn``'s result, or ``{"error": its stub's line or its first line, "trace": ...}``."""
+    """:func:`tests.helpers.rank_part`, with ``dist.all_reduce`` put back afterwards (a part
+    may replace it to count or check what is sent)."""
     real = dist.all_reduce
     try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - every failure goes back to the test
-        text = f"{type(exc).__name__}: {exc}"
-        stub = STUB.search(text)
-        first = (f"NotImplementedError: {stub.group(1)}" if stub
-                 else (text.splitlines() or [""])[0])
-        return {"error": first, "trace": traceback.format_exc()[-4000:]}
+        return rank_part(fn, *args, **kwargs)
     finally:
         dist.all_reduce = real
 

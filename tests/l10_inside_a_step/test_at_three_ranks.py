@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dpt.ranks import RankFailure, run_distributed
+from tests.helpers import checked_part
 from tests.l10_inside_a_step import rank_fns_hooks as rf
 from tests.l10_inside_a_step import rank_fns_three as rf3
 from tests.lessons import load
@@ -46,11 +47,7 @@ def hooks_run():
     return launch(rf3.hook_checks)
 
 
-def part(result):
-    """A part's result, or the test fails with the error the lesson code raised."""
-    if isinstance(result, dict) and "error" in result:
-        pytest.fail(f"{result['error']}\n\n{result.get('trace', '')}", pytrace=False)
-    return result
+part = checked_part
 
 
 def near(value, target, scale) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from dpt.ranks import run_distributed
-from tests.helpers import run_script
+from tests.helpers import checked_part, run_script
 from tests.l10_inside_a_step import rank_fns_compile as rank_fns
 from tests.lessons import load, script
 
@@ -46,15 +46,7 @@ def checks():
     return run_distributed(rank_fns.compile_checks, world_size=2, timeout=240)[0]
 
 
-def part(result, hint: str = ""):
-    """An experiment's result, or the test fails with the error the lesson code raised (and,
-    for an error other than a task's stub, ``hint``)."""
-    if isinstance(result, dict) and "error" in result:
-        error = result["error"]
-        if hint and not error.startswith("NotImplementedError"):
-            error = f"{error}: {hint}"
-        pytest.fail(f"{error}\n\n{result.get('trace', '')}", pytrace=False)
-    return result
+part = checked_part
 
 
 def layers(split: list[list[str]]) -> list[str]:
