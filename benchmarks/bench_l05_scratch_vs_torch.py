@@ -26,8 +26,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "05_ddp_from_scratch"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 VARIANTS = ["torch", "naive", "overlap", "bucketed"]
 
@@ -38,12 +39,12 @@ def _wrap(name, module):
     if name == "torch":
         return DistributedDataParallel(module)  # the model has no buffers to broadcast
     if name == "naive":
-        from naive_ddp import NaiveDDP
+        NaiveDDP = load("05_ddp_from_scratch", "naive_ddp", "solutions").NaiveDDP
         return NaiveDDP(module)
     if name == "overlap":
-        from overlap_ddp import OverlapDDP
+        OverlapDDP = load("05_ddp_from_scratch", "overlap_ddp", "solutions").OverlapDDP
         return OverlapDDP(module)
-    from bucketed_ddp import BucketedDDP
+    BucketedDDP = load("05_ddp_from_scratch", "bucketed_ddp", "solutions").BucketedDDP
     return BucketedDDP(module, bucket_cap_mb=25.0)
 
 
@@ -122,10 +123,10 @@ def main(argv=None) -> int:
     if min(args.batch, args.steps, args.repeats) < 1 or args.warmup < 0:
         print("error: --batch, --steps and --repeats must be positive", file=sys.stderr)
         return 2
-    for p in (str(REPO), str(LESSON)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    from scratch_demo import plot_step_split  # the lesson's notebook draws it the same way
+    if str(REPO) not in sys.path:  # run as a script: ranks import this file as benchmarks.*
+        sys.path.insert(0, str(REPO))
+    # the lesson's notebook draws it the same way
+    plot_step_split = load("05_ddp_from_scratch", "scratch_demo", "solutions").plot_step_split
 
     if args.plot_only:
         saved = OUT / "l05_scratch_vs_torch.json"

@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "06_mixed_precision"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 
 
@@ -34,10 +35,9 @@ def _measure(rank: int, world_size: int, precision: str, batch: int, warmup: int
              steps: int) -> dict:
     """One rank: build, warm up, time ``steps`` steps. Runs inside run_distributed or alone
     (then as a DDP job of one process: the Trainer wraps its model in DDP)."""
-    sys.path.insert(0, str(LESSON))
     import torch
     import torch.distributed as dist
-    from ddp_amp import Trainer
+    Trainer = load("06_mixed_precision", "ddp_amp", "solutions").Trainer
 
     from dpt.device import synchronize
     from dpt.dist import group_of_one
@@ -86,7 +86,6 @@ def worker(precision: str, world_size: int, batch: int, warmup: int, steps: int)
 
 
 def cpu_info() -> dict:
-    sys.path.insert(0, str(LESSON))
     from dpt.precision import cpu_flags, cpu_has_fast_bf16
 
     model = ""

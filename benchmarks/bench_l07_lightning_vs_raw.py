@@ -31,15 +31,15 @@ import sys
 import time
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "07_lightning"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 TIMEOUT_S = 1800  # one variant's whole run; a full ConvNet epoch takes under a minute
 
 
 def _datamodule(batch):
-    sys.path.insert(0, str(LESSON))
-    from lit_fashion import FashionDataModule
+    FashionDataModule = load("07_lightning", "lit_fashion", "solutions").FashionDataModule
 
     dm = FashionDataModule(batch_size=batch, seed=1, verbose=False)
     dm.setup("fit")
@@ -64,8 +64,8 @@ def worker_lightning(batch: int, model_name: str, sigterm_broadcast: bool = True
     import torch
 
     torch.set_num_threads(1)
-    dm = _datamodule(batch)  # also puts the lesson folder on sys.path
-    from lit_fashion import LitClassifier as Lit
+    dm = _datamodule(batch)
+    Lit = load("07_lightning", "lit_fashion", "solutions").LitClassifier
 
     from dpt.models import build_model
 
@@ -125,7 +125,7 @@ def worker_raw(batch: int, model_name: str, steps: int | None = None) -> None:
 
     torch.set_num_threads(1)
     dm = _datamodule(batch)
-    from fabric_ddp import raw_ddp_epoch
+    raw_ddp_epoch = load("07_lightning", "fabric_ddp", "solutions").raw_ddp_epoch
 
     from dpt.models import MLP, build_model
 

@@ -37,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "08_sharding"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 METHODS = {"ddp": "zero0", "sharded_optimizer": "zero1", "fsdp2": "zero3"}
 STAGE_OF = {"ddp": "ddp", "sharded_optimizer": "zero1", "fsdp2": "zero3"}
@@ -83,11 +84,9 @@ def memory_worker(rank: int, world_size: int, method: str, hidden: int, batch: i
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if str(LESSON) not in sys.path:
-        sys.path.insert(0, str(LESSON))
-    from fsdp2_train import shard_model
-    from zero_accounting import measure_bytes
-    from zero_optimizer import ShardedOptimizer
+    shard_model = load("08_sharding", "fsdp2_train", "solutions").shard_model
+    measure_bytes = load("08_sharding", "zero_accounting", "solutions").measure_bytes
+    ShardedOptimizer = load("08_sharding", "zero_optimizer", "solutions").ShardedOptimizer
 
     from dpt.models import count_parameters
 
@@ -134,8 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
-    sys.path[:0] = [str(REPO), str(LESSON)]
-    from zero_accounting import STAGES, predict_bytes
+    sys.path.insert(0, str(REPO))
+    zero_accounting = load("08_sharding", "zero_accounting", "solutions")
+    STAGES, predict_bytes = zero_accounting.STAGES, zero_accounting.predict_bytes
 
     from benchmarks.bench_l08_memory import memory_worker as worker  # importable by the ranks
     from dpt.models import count_parameters

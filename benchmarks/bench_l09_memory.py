@@ -35,15 +35,16 @@ import sys
 import time
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "09_fsdp"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 MiB = 2**20
 KINDS = ("params", "grads", "optimizer", "activations", "peak")
 
 
 def memory_rows(methods, world_sizes, batch: int, repeats: int) -> list[dict]:
-    import memory_table as mt
+    mt = load("09_fsdp", "memory_table", "solutions")
 
     from dpt.ranks import run_distributed
 
@@ -75,7 +76,7 @@ def memory_rows(methods, world_sizes, batch: int, repeats: int) -> list[dict]:
 
 def checkpointing_runs(repeats: int, batch: int, seq_len: int, layers: int, steps: int,
                        nproc: int) -> dict:
-    import activation_checkpointing as ac
+    ac = load("09_fsdp", "activation_checkpointing", "solutions")
 
     from dpt.ranks import run_distributed
 
@@ -202,8 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-repeats", type=int, default=3,
                     help="launches of each memory-table configuration (median per rank)")
     args = ap.parse_args(argv)
-    sys.path[:0] = [str(REPO), str(LESSON)]
-    import memory_table as mt
+    sys.path.insert(0, str(REPO))
+    mt = load("09_fsdp", "memory_table", "solutions")
 
     methods = args.methods or list(mt.METHODS)
     if (args.batch < 1 or args.ac_batch < 1 or args.repeats < 1 or args.steps < 1

@@ -34,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+from dpt.lessons import load
+
 REPO = Path(__file__).resolve().parent.parent
-LESSON = REPO / "solutions" / "10_inside_a_step"
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 
 CONFIGS = [("none", "none", None), ("fp16", "fp16", None), ("bf16", "bf16", None),
@@ -46,7 +47,7 @@ CONFIGS = [("none", "none", None), ("fp16", "fp16", None), ("bf16", "bf16", None
 def run(configs, seeds: int, epochs: float, nproc: int, timeout: float) -> dict:
     """Each configuration for each seed on gloo ranks (the reference is a CPU's), the order
     rotated each seed: a drift of the machine's speed spreads over every one alike."""
-    import comm_hooks as ch
+    ch = load("10_inside_a_step", "comm_hooks", "solutions")
 
     return ch.run_hooks(configs, seeds, epochs, nproc, timeout, backend="gloo", rotate=True)
 
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
                     help=f"configurations: {', '.join(c[0] for c in CONFIGS)}")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args(argv)
-    sys.path[:0] = [str(REPO), str(LESSON)]
-    import comm_hooks as ch
+    sys.path.insert(0, str(REPO))
+    ch = load("10_inside_a_step", "comm_hooks", "solutions")
     import torch
 
     configs = [c for c in CONFIGS if args.only is None or c[0] in args.only]

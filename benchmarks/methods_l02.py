@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.registry import BenchContext, method
+from dpt.lessons import load
 
 
 def _step_fn(model, params, batch):
@@ -45,7 +46,7 @@ def dp(ctx: BenchContext):
 @method("dp_by_hand", "lesson 02's DataParallel by hand: one process, a replica per GPU "
         "(torch primitives) or per CPU core (threads, 1 intra-op thread each)", max_procs=1)
 def dp_by_hand(ctx: BenchContext):
-    from dp_by_hand import DataParallelByHand
+    DataParallelByHand = load("02_data_parallel", "dp_by_hand", "solutions").DataParallelByHand
 
     from dpt.dist import cpu_budget
 

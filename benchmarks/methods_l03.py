@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from benchmarks.registry import BenchContext, method
+from dpt.lessons import load
 
 
 @method("ddp_spawn", "torch DDP as in lesson 03 (mp.spawn): all-reduce of gradients in backward")
 def ddp_spawn(ctx: BenchContext):
-    import ddp_spawn as lesson
+    lesson = load("03_ddp_spawn", "ddp_spawn", "solutions")
 
     model = ctx.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

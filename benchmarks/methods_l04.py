@@ -21,13 +21,14 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.registry import BenchContext, method, optimizer_step
+from dpt.lessons import load
 
 
 @method("ddp_snapshot",
         "torch DDP (the step torchrun launches in lesson 04) + a rank-0 atomic snapshot of "
         "model, optimizer and RNG every 10 steps")
 def ddp_snapshot(ctx: BenchContext):
-    from ddp_torchrun import Trainer  # lesson 04's module (registry puts it on sys.path)
+    Trainer = load("04_ddp_torchrun", "ddp_torchrun", "solutions").Trainer  # lesson 04's module
 
     model = ctx.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -54,7 +55,7 @@ def ddp_snapshot(ctx: BenchContext):
         "torch DDP launched by torchrun, joined as lesson 04 does (torchrun_env + setup), "
         "stepping lesson 04's Trainer.model", launcher="torchrun")
 def ddp_torchrun(ctx: BenchContext):
-    from ddp_torchrun import Trainer  # lesson 04
+    Trainer = load("04_ddp_torchrun", "ddp_torchrun", "solutions").Trainer  # lesson 04
 
     model = ctx.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

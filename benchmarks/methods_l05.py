@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.registry import BenchContext, method
+from dpt.lessons import load
 
 
 def _methods(ctx: BenchContext, wrapper):
@@ -35,21 +36,21 @@ def _methods(ctx: BenchContext, wrapper):
 
 @method("ddp_naive", "lesson 05: hand-written DDP, all-reduce of every gradient after backward")
 def ddp_naive(ctx: BenchContext):
-    from naive_ddp import NaiveDDP
+    NaiveDDP = load("05_ddp_from_scratch", "naive_ddp", "solutions").NaiveDDP
 
     return _methods(ctx, NaiveDDP)
 
 
 @method("ddp_overlap", "lesson 05: hand-written DDP, one async all-reduce per gradient from hooks")
 def ddp_overlap(ctx: BenchContext):
-    from overlap_ddp import OverlapDDP
+    OverlapDDP = load("05_ddp_from_scratch", "overlap_ddp", "solutions").OverlapDDP
 
     return _methods(ctx, OverlapDDP)
 
 
 @method("ddp_bucketed", "lesson 05: hand-written DDP, 25 MB buckets all-reduced from hooks")
 def ddp_bucketed(ctx: BenchContext):
-    from bucketed_ddp import BucketedDDP
+    BucketedDDP = load("05_ddp_from_scratch", "bucketed_ddp", "solutions").BucketedDDP
 
     cap = float(ctx.options.get("bucket_cap_mb", 25.0))
     return _methods(ctx, lambda m: BucketedDDP(m, bucket_cap_mb=cap))

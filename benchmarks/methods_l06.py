@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from benchmarks.registry import BenchContext, method
+from dpt.lessons import load
 
 
 def _amp_method(ctx: BenchContext, precision: str):
-    from ddp_amp import Trainer  # lesson 06, on sys.path via load_all
+    Trainer = load("06_mixed_precision", "ddp_amp", "solutions").Trainer  # lesson 06
 
     model = ctx.model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

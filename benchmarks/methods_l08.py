@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.registry import BenchContext, method, optimizer_step
+from dpt.lessons import load
 
 LR = 1e-3
 
@@ -30,7 +31,7 @@ def ddp_adam(ctx: BenchContext):
 @method("sharded_optimizer",
         "lesson 08's ZeRO-1 by hand: DDP + Adam state sharded, owners broadcast params")
 def sharded_optimizer(ctx: BenchContext):
-    from zero_optimizer import ShardedOptimizer
+    ShardedOptimizer = load("08_sharding", "zero_optimizer", "solutions").ShardedOptimizer
 
     if not dist.is_initialized():
         raise RuntimeError("sharded_optimizer needs a process group (the harness makes one)")
@@ -42,7 +43,7 @@ def sharded_optimizer(ctx: BenchContext):
 
 @method("fsdp2", "FSDP2 fully_shard per block then root: params, grads and Adam state 1/N")
 def fsdp2(ctx: BenchContext):
-    from fsdp2_train import shard_model
+    shard_model = load("08_sharding", "fsdp2_train", "solutions").shard_model
 
     if not dist.is_initialized():
         raise RuntimeError("fsdp2 needs a process group (the harness makes one)")

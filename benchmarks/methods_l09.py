@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.registry import BenchContext, method
+from dpt.lessons import load
 
 CONFIG = {"vocab": 256, "dim": 128, "heads": 4, "layers": 4, "seq_len": 64}
 LR = 1e-3
@@ -83,7 +84,7 @@ def compute_format(device: torch.device | str) -> tuple[torch.dtype, list[str]]:
 
 
 def _hand_fsdp(ctx: BenchContext):
-    from fsdp_by_hand import FSDP
+    FSDP = load("09_fsdp", "fsdp_by_hand", "solutions").FSDP
 
     _needs_group("the hand-written FSDP")
     compute_dtype, notes = compute_format(ctx.device)
@@ -107,7 +108,7 @@ def sixteen_bit_policy(dtype: torch.dtype):
     follows the course's rule, as the hand-written FSDP's does. The swap wraps the lesson's
     module from outside, for the duration of the build only.
     """
-    import fsdp2_practice
+    fsdp2_practice = load("09_fsdp", "fsdp2_practice", "solutions")
 
     made = fsdp2_practice.MixedPrecisionPolicy
     if dtype == torch.bfloat16:
@@ -130,7 +131,7 @@ def sixteen_bit_policy(dtype: torch.dtype):
         "reduce; fp16 params on a GPU of compute capability below 8, noted), explicit "
         "prefetch, meta-device init")
 def fsdp2_bf16(ctx: BenchContext):
-    from fsdp2_practice import build_sharded
+    build_sharded = load("09_fsdp", "fsdp2_practice", "solutions").build_sharded
 
     _needs_group("fsdp2_bf16")
     compute_dtype, notes = compute_format(ctx.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.registry import BenchContext, ddp_steps, method
+from dpt.lessons import load
 
 POWERSGD = {"rank": 2, "start_iter": 2, "error_feedback": True}  # compressed from step 2 on
 
@@ -35,7 +36,7 @@ def _timed(ctx: BenchContext, ddp):
 @method("ddp_compiled", "lesson 10: torch DDP around torch.compile(model) (inductor); the "
         "graph split at DDP's buckets", requires=("compiler",), quick=False)
 def ddp_compiled(ctx: BenchContext):
-    from compile_ddp import build_compiled_ddp
+    build_compiled_ddp = load("10_inside_a_step", "compile_ddp", "solutions").build_compiled_ddp
 
     # a module on one device needs no device_ids: DDP uses the device its parameters are on
     return _timed(ctx, build_compiled_ddp(ctx.model().to(ctx.device), backend="inductor"))
@@ -44,7 +45,7 @@ def ddp_compiled(ctx: BenchContext):
 @method("ddp_bf16_hook", "lesson 10: torch DDP with the bf16 compression hook written by hand "
         "(half the bytes on the wire)", quick=False)
 def ddp_bf16_hook(ctx: BenchContext):
-    from comm_hooks import attach_hook
+    attach_hook = load("10_inside_a_step", "comm_hooks", "solutions").attach_hook
 
     ddp = _ddp(ctx)
     attach_hook(ddp, "bf16_by_hand")
@@ -54,7 +55,7 @@ def ddp_bf16_hook(ctx: BenchContext):
 @method("ddp_powersgd", f"lesson 10: torch DDP with PowerSGD (rank {POWERSGD['rank']}, error "
         f"feedback, compressed from step {POWERSGD['start_iter']})", quick=False)
 def ddp_powersgd(ctx: BenchContext):
-    from comm_hooks import attach_hook
+    attach_hook = load("10_inside_a_step", "comm_hooks", "solutions").attach_hook
 
     ddp = _ddp(ctx)
     attach_hook(ddp, "powersgd", **POWERSGD)

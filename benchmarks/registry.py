@@ -154,14 +154,8 @@ def load_all() -> dict[str, Method]:
     """Import every ``benchmarks/methods_*.py`` so their methods register."""
     import importlib
     import pkgutil
-    import sys
     from pathlib import Path
 
-    # Methods import lesson modules by name, as the tests do: put every lesson on sys.path.
-    solutions = Path(__file__).resolve().parent.parent / "solutions"
-    for lesson in sorted(solutions.glob("[0-9][0-9]_*")):
-        if str(lesson) not in sys.path:
-            sys.path.append(str(lesson))
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name.startswith("methods_"):
             importlib.import_module(f"benchmarks.{info.name}")

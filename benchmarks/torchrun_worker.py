@@ -24,6 +24,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from dpt.lessons import load
+
 
 def run(argv: list[str]) -> int:
     """Join, measure, write the result, leave the group; the exit code (no exit here)."""
@@ -37,8 +39,8 @@ def run(argv: list[str]) -> int:
         from benchmarks.run import bench_rank, rank_placement
         from dpt.dist import barrier, cleanup, setup
 
-        load_all()  # puts the lesson folders on sys.path
-        from ddp_torchrun import torchrun_env  # lesson 04
+        load_all()
+        torchrun_env = load("04_ddp_torchrun", "ddp_torchrun", "solutions").torchrun_env
 
         env = torchrun_env()
         rank = env.rank

@@ -20,8 +20,9 @@ import importlib.util as _util
 import sys as _sys
 
 # A python that finds dpt but no torch (PYTHONPATH set by hand, a venv whose torch install
-# failed) stops at its first `import dpt` with one line instead of a traceback. Lesson files
-# first check that dpt is there at all (their first line): a python without it is not the venv.
+# failed) stops at its first `import dpt` with one line instead of a traceback. A lesson file's
+# first import is `import dpt`; a python without dpt at all stops there with Python's own
+# "No module named 'dpt'".
 if _util.find_spec("torch") is None:
     _sys.exit(f"error: {_sys.executable} has no torch; use the course's venv: .venv/bin/python "
               f"{_sys.argv[0]} (or `source .venv/bin/activate` first; `make setup` creates it)")

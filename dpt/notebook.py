@@ -75,6 +75,15 @@ def pending_task(exc: BaseException) -> str | None:
     return None
 
 
+def task_message(exc: NotImplementedError) -> str:
+    """The message of ``exc`` when it is a task not done yet, for a rank to send back in place
+    of its result (so that the other methods of a comparison still run); any other
+    NotImplementedError is raised again."""
+    if pending_task(exc) is None:
+        raise exc
+    return str(exc)
+
+
 _SKIPPED: list[str] = []  # tasks a cell of this kernel found not done yet, in order
 # What a cell raises when an earlier, skipped cell did not make what it uses: a variable, a
 # dict entry, a list item, or a file (a checkpoint a skipped run would have written).

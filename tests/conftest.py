@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
@@ -71,11 +70,6 @@ def pytest_configure(config):
     threads = int(os.environ.get("DPT_TEST_THREADS", "1"))
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    # Every lesson folder goes on sys.path now, before any rank process is started, so that
-    # fork-server children import lesson modules from the same tree.
-    for lesson in sorted(p for p in target.iterdir() if p.is_dir() and p.name[:2].isdigit()):
-        if str(lesson) not in sys.path:
-            sys.path.insert(0, str(lesson))
     config.stash[_SCORES] = defaultdict(new_entry)
     config.stash[_FAILURES] = []
     config.stash[_COLLECTED] = {}
@@ -125,6 +119,10 @@ _TEST_IDS = pytest.StashKey[dict]()
 _PENDING = pytest.StashKey[dict]()  # unmarked tests skipped for a task not done: task -> count
 _TIMES = pytest.StashKey[dict]()  # tests/<folder> -> [tests, seconds of setup+call+teardown]
 LESSON_BUDGET_S = 120  # a lesson whose tests take longer is named at the end of the run
+# The lesson notebooks run as a student runs them: their own row of the time table, apart
+# from the machinery (the rest of tests/harness).
+NOTEBOOK_TESTS = "tests/harness/test_notebooks.py::"
+NOTEBOOK_ROW = "notebooks"
 
 
 def pytest_report_header(config):
@@ -262,7 +260,8 @@ def pytest_runtest_logreport(report):
     """
     parts = report.nodeid.split("/")
     if len(parts) > 2 and parts[0] == "tests":
-        spent = _config.stash.setdefault(_TIMES, {}).setdefault(parts[1], [0, 0.0])
+        folder = NOTEBOOK_ROW if report.nodeid.startswith(NOTEBOOK_TESTS) else parts[1]
+        spent = _config.stash.setdefault(_TIMES, {}).setdefault(folder, [0, 0.0])
         spent[0] += report.when == "call"
         spent[1] += report.duration
     task = dict(report.user_properties).get("task")
@@ -347,17 +346,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def time_table(times: dict[str, list], budget_s: float = LESSON_BUDGET_S) -> list[str]:
-    """Where the run's test time went: one line per lesson's tests, the machinery's
-    (tests/harness) and the GPU tests, with their share; then one line per lesson over
-    ``budget_s`` (test seconds, summed over the workers)."""
+    """Where the run's test time went: one line per lesson's tests, the lesson notebooks run
+    top to bottom, the machinery's (the rest of tests/harness) and the GPU tests, with their
+    share; then one line per lesson over ``budget_s`` (test seconds, summed over the
+    workers)."""
     total = sum(s for _, s in times.values()) or 1.0
     lessons = {k: v for k, v in times.items() if re.fullmatch(r"l\d\d_\w+", k)}
     lines = [f"test time by folder (seconds summed over workers; {total:.0f} s in all):"]
     for name, (count, seconds) in sorted(times.items()):
         lines.append(f"  {name:<24} {count:5d} tests {seconds:8.1f} s {100 * seconds / total:5.1f}%")
     lesson_s = sum(s for _, s in lessons.values())
-    lines.append(f"  lessons' own tests {100 * lesson_s / total:.0f}%, machinery and others "
-                 f"{100 - 100 * lesson_s / total:.0f}%")
+    notebook_s = times.get(NOTEBOOK_ROW, (0, 0.0))[1]
+    lines.append(f"  lessons' own tests {100 * lesson_s / total:.0f}%, their notebooks "
+                 f"{100 * notebook_s / total:.0f}%, machinery and others "
+                 f"{100 - 100 * (lesson_s + notebook_s) / total:.0f}%")
     lines += [f"slow lesson: tests/{name} took {seconds:.0f} s, over the {budget_s:.0f} s a "
               "lesson's tests may take (tests/conftest.py LESSON_BUDGET_S)"
               for name, (_, seconds) in sorted(lessons.items()) if seconds > budget_s]

@@ -1,8 +1,8 @@
 """Which earlier lessons' tasks a lesson runs, read from its code: the one list, kept by nobody.
 
-A lesson file may import another lesson's module by name: ``09_fsdp/memory_table.py`` puts
-``08_sharding`` on ``sys.path`` and imports ``predict_bytes``, ``10_inside_a_step/traces.py``
-imports lesson 05's DDPs. The tasks such an import runs are the task blocks inside the
+A lesson file may use another lesson's module: ``09_fsdp/memory_table.py`` takes
+``predict_bytes`` from ``load("08_sharding", "zero_accounting", __file__)`` (``dpt.lessons``),
+``10_inside_a_step/traces.py`` loads lesson 05's DDPs. The tasks such an import runs are the task blocks inside the
 definition of each imported name (``# BEGIN SOLUTION NN.K`` in solutions/, the stub's
 ``NotImplementedError("Task NN.K: ...")`` in exercises/), and inside the definitions that one
 uses in turn: the module's other functions and classes its body names, and what it imports
@@ -98,6 +98,33 @@ def _tasks_of(folder: Path, module: str, name: str, seen: set) -> set[str]:
     return found
 
 
+def _loads(tree: ast.Module, lessons: set[str]) -> dict[int, tuple[str, str, tuple]]:
+    """The file's calls ``load("NN_lesson", "module", ...)`` of another lesson's module, by
+    ``id``: ``(lesson, module, the names it uses)``. The names are the attribute read off the
+    call (``load(...).predict_bytes``) or off the variable it is assigned to (``zero_accounting
+    = load(...)``, then ``zero_accounting.predict_bytes``); ``("*",)`` when neither."""
+    parents = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    found = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and len(node.args) >= 2 and getattr(
+                node.func, "id", getattr(node.func, "attr", None)) == "load"):
+            continue
+        lesson, module = (a.value if isinstance(a, ast.Constant) else None for a in node.args[:2])
+        if lesson not in lessons or not isinstance(module, str):
+            continue
+        up = parents.get(id(node))
+        if isinstance(up, ast.Attribute):
+            names = (up.attr,)
+        elif isinstance(up, ast.Assign) and [type(x) for x in up.targets] == [ast.Name]:
+            var = up.targets[0].id
+            names = tuple(sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                  and isinstance(n.value, ast.Name) and n.value.id == var}))
+        else:
+            names = ("*",)
+        found[id(node)] = (lesson, module, names or ("*",))
+    return found
+
+
 @cache
 def needs(tree: Path | None = None) -> dict[str, tuple[Need, ...]]:
     """``{lesson: its imports of other lessons' code}``, for every lesson of ``tree`` (every
@@ -113,7 +140,18 @@ def needs(tree: Path | None = None) -> dict[str, tuple[Need, ...]]:
         own = {py.stem for py in folder.glob("*.py")}
         found = []
         for py in sorted(folder.glob("*.py")):
+            loaded = _loads(_module(py).tree, {f.name for f in folders})
             for node in ast.walk(_module(py).tree):
+                if id(node) in loaded:  # dpt.lessons.load("08_sharding", "zero_accounting", ...)
+                    lesson, module, names = loaded[id(node)]
+                    src, tasks = tree / lesson, set()
+                    for name in names:
+                        tasks |= ({a or b for a, b in TASK_MARK.findall("\n".join(_module(
+                            src / f"{module}.py").lines))} if name == "*" else _tasks_of(
+                            src, module, name, set()))
+                    found.append(Need(folder.name, py.name, lesson, module, names,
+                                      tuple(sorted(tasks, key=task_key))))
+                    continue
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     module, names = node.module, tuple(a.name for a in node.names)
                 elif isinstance(node, ast.Import):

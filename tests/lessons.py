@@ -1,15 +1,17 @@
 """The one seam between the tests and a lesson tree (solutions/, exercises/, a student's copy).
 
-Tests never import lesson code directly: they call :func:`load`. ``pytest --target PATH``
-chooses the tree; conftest puts every lesson folder of that tree on ``sys.path`` before any
-test runs, so rank processes started later can import the same modules by name.
+Tests never import lesson code directly: they call :func:`load`, which is
+:func:`dpt.lessons.load` on the tree ``pytest --target PATH`` chose (``$DPT_TARGET``). It
+leaves the lesson's folder on ``sys.path``, so rank processes started later import the same
+modules by name.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
+
+from dpt import lessons
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,12 +29,7 @@ def lesson_dir(lesson: str) -> Path:
 
 def load(lesson: str, module: str):
     """Import ``module`` from ``<target>/<lesson>/``."""
-    mod = importlib.import_module(module)
-    origin = Path(mod.__file__).resolve()
-    if origin.parent != lesson_dir(lesson):
-        raise ImportError(f"{module} was imported from {origin}, not from {lesson_dir(lesson)}: "
-                          "two lessons use the same module name")
-    return mod
+    return lessons.load(lesson, module, target())
 
 
 def script(lesson: str, name: str) -> Path:

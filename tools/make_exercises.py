@@ -40,8 +40,12 @@ marker becomes ``# from lesson NN_name, unchanged: `make carry` updates it [carr
 lesson into each copy, and the fingerprint (:func:`fingerprint`, of the copy as last written
 there) tells it whether the student has since edited the copy by hand.
 
+The tests' reference answers are derived from the same blocks: ``tools/derive_references.py``
+writes each solution definition that holds a task into ``tests/lNN_*/_references.py``.
+
 Usage: ``python tools/make_exercises.py`` (writes), ``--check`` (exit 1 if anything is stale),
-``--out DIR`` (write the trees under DIR instead of the repository).
+``--out DIR`` (write the trees under DIR instead of the repository), ``--references-only``
+(write only the tests' references).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ as a script's siblings
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<task>\d\d\.\d+[a-z]?): (?P<hint>.+?)\s*$")
@@ -379,6 +385,9 @@ def generate(out_root: Path, solutions: Path = REPO / "solutions") -> dict[str, 
     write_changes(exercises)
     if writing_repo:
         write_changes(solutions)
+        import derive_references  # here, not at the top: carry_answers.py imports this file alone
+
+        derive_references.write(solutions)
     return tasks
 
 
@@ -405,6 +414,10 @@ def stale(out_root: Path = REPO) -> list[str]:
             path = (sol / child).parent / CHANGES
             if not path.is_file() or path.read_text() != changes_diff(sol / parent, sol / child):
                 diffs.append(str(path.relative_to(REPO)))
+        import derive_references
+
+        diffs += [f"{path} (references differ from solutions/)"
+                  for path in derive_references.stale(sol)]
         return diffs
 
 
@@ -412,7 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only report stale files")
     ap.add_argument("--out", type=Path, default=REPO)
+    ap.add_argument("--references-only", action="store_true",
+                    help="write only the tests' references (tests/lNN_*/_references.py)")
     args = ap.parse_args(argv)
+    if args.references_only:
+        import derive_references
+
+        for path in derive_references.write():
+            print(f"wrote {path.relative_to(REPO)}")
+        return 0
     if args.check:
         diffs = stale(args.out)
         for d in diffs:

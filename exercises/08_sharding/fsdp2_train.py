@@ -20,24 +20,20 @@ worker is a function of this file, so the notebook can start it too.
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zero_accounting import measure_bytes
 
 from dpt.dist import device_mesh, rank_device
 from dpt.models import build_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-from zero_accounting import measure_bytes  # noqa: E402
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:

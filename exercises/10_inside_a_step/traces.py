@@ -42,8 +42,7 @@ Tasks: 10.1 :func:`read_trace`, 10.2 :func:`comm_intervals` and :func:`compute_i
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import dataclasses
@@ -59,11 +58,9 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: keeps the profil
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-for _lesson in ("05_ddp_from_scratch", "09_fsdp"):  # the methods traced come from there
-    sys.path.append(str(Path(__file__).resolve().parents[1] / _lesson))
-
 from dpt.data import REPO_ROOT  # noqa: E402
+from dpt.lessons import load  # noqa: E402 (the methods traced come from lessons 05 and 09)
+from dpt.notebook import task_message  # noqa: E402
 
 # the lesson's own runs/ (git ignores it): two copies of the lesson tracing at once do not
 # overwrite each other's traces
@@ -251,15 +248,6 @@ def as_run(events: list[Event]) -> list[Event] | None:
 
 # --- given: one traced step per method, on every rank -----------------------------------------
 
-def _task_message(exc: NotImplementedError) -> str:
-    """The message of a task not done yet (lesson 05's or 09's); any other error is raised."""
-    from dpt.notebook import pending_task
-
-    if pending_task(exc) is None:
-        raise exc
-    return str(exc)
-
-
 def build(method: str, model: torch.nn.Module):
     """``(wrapped model, the call that ends gradient sync after backward)`` for ``method``."""
     if method == "torch_ddp":
@@ -269,23 +257,18 @@ def build(method: str, model: torch.nn.Module):
         ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB,
                                       device_ids=[dev] if dev.type == "cuda" else None)
         return ddp, lambda: None
-    if method in ("naive", "overlap", "bucketed"):
-        from bucketed_ddp import BucketedDDP
-        from naive_ddp import NaiveDDP
-        from overlap_ddp import OverlapDDP
-
+    if method in ("naive", "overlap", "bucketed"):  # lesson 05's, from this lesson tree
+        NaiveDDP = load("05_ddp_from_scratch", "naive_ddp", __file__).NaiveDDP
+        OverlapDDP = load("05_ddp_from_scratch", "overlap_ddp", __file__).OverlapDDP
+        BucketedDDP = load("05_ddp_from_scratch", "bucketed_ddp", __file__).BucketedDDP
         wrapped = {"naive": NaiveDDP, "overlap": OverlapDDP,
                    "bucketed": lambda m: BucketedDDP(m, bucket_cap_mb=BUCKET_MB)}[method](model)
         return wrapped, wrapped.finish_gradient_synchronization
-    if method == "fsdp":
-        from fsdp_by_hand import FSDP
-
-        wrapped = FSDP(model)
+    if method == "fsdp":  # lesson 09's
+        wrapped = load("09_fsdp", "fsdp_by_hand", __file__).FSDP(model)
         return wrapped, wrapped.finish_grad_sync
     if method == "fsdp2":
-        from fsdp2_practice import shard_transformer
-
-        return shard_transformer(model), lambda: None
+        return load("09_fsdp", "fsdp2_practice", __file__).shard_transformer(model), lambda: None
     raise ValueError(f"error: unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -365,7 +348,7 @@ def trace_rank(rank: int, world_size: int, methods=METHODS, out: str | Path = OU
         try:
             results[method] = trace_method(method, rank, Path(out), **kwargs)
         except NotImplementedError as exc:
-            results[method] = _task_message(exc)
+            results[method] = task_message(exc)
     return results
 
 

@@ -89,8 +89,8 @@ with needs_tasks():
 #
 # The ConvNet is the one of the tutorial *Distributed data parallel training in PyTorch*: two
 # blocks of convolution, batch norm, ReLU and max-pooling, then a linear layer. We train on 400
-# batches here to stay quick; the full epoch (`python single_device.py --epochs 1`) takes
-# under a minute on two cores.
+# batches here to stay quick; the full epoch (`python single_device.py --epochs 1`) took 26 s
+# on an idle 2-core CPU (the whole command 35 s), longer on a busy one.
 
 # %%
 with needs_tasks("01.1"):

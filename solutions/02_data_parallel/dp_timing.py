@@ -27,13 +27,12 @@ Run it::
 
     .venv/bin/python solutions/02_data_parallel/dp_timing.py                       # N: every GPU, or core
     .venv/bin/python solutions/02_data_parallel/dp_timing.py --devices 2 --batch-sizes 8,64,512
-    .venv/bin/python solutions/02_data_parallel/dp_timing.py --out benchmarks/runs/lessons/l02_dp_timing
+    .venv/bin/python solutions/02_data_parallel/dp_timing.py --out /tmp/dp_timing   # default: runs/
 """
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import json
@@ -187,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads-per-device", type=int, default=None,
                    help="CPU only: intra-op threads per device (default cores // N)")
-    p.add_argument("--out", default=str(HERE / "outputs" / "dp_timing"),
-                   help="writes OUT.json and OUT.png")
+    p.add_argument("--out", default=str(HERE / "runs" / "dp_timing"),
+                   help="writes OUT.json and OUT.png (default: the lesson's runs/, git-ignored)")
     return p
 
 

@@ -125,8 +125,9 @@ with needs_tasks("01.1", "01.3", "03.1", "03.2", "03.3", "03.4", "03.5", "03.6",
 # %% [markdown]
 # Now check the claim of 03.5 and 03.6 from the outside: the checkpoint loads into a plain
 # `ConvNet` (no `module.` prefix), and evaluated in this one process on the same 2001 samples
-# it gives exactly the count the two ranks reported together. (Ranks on a recent GPU compute
-# convolutions in TF32 by default, so there a borderline sample can tip the other way.)
+# it gives the count the two ranks reported together. (The same sums in another batch split or
+# thread count can differ in the last bits, and ranks on a recent GPU compute convolutions in
+# TF32 by default: a borderline sample can then tip the other way.)
 
 # %%
 with needs_tasks("01.1", "01.3", "03.1", "03.2", "03.3", "03.4", "03.5", "03.6",

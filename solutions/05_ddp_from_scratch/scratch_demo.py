@@ -27,6 +27,8 @@ from naive_ddp import NaiveDDP
 from overlap_ddp import OverlapDDP
 from torch.nn.parallel import DistributedDataParallel
 
+from dpt.notebook import task_message
+
 WRAPPERS = {
     "naive": NaiveDDP,
     "overlap": OverlapDDP,
@@ -54,15 +56,6 @@ def train(model, x, y, steps: int, sync=lambda: None):
     return model
 
 
-def _task_message(exc: NotImplementedError) -> str:
-    """The message of a task not done yet; any other NotImplementedError is raised again."""
-    from dpt.notebook import pending_task
-
-    if pending_task(exc) is None:
-        raise exc
-    return str(exc)
-
-
 def compare_rank(rank: int, world_size: int, x, y, steps: int = 5) -> dict:
     """Train each wrapper from rank-dependent weights on this rank's slice; return states.
 
@@ -80,7 +73,7 @@ def compare_rank(rank: int, world_size: int, x, y, steps: int = 5) -> dict:
             sync = getattr(model, "finish_gradient_synchronization", lambda: None)
             train(model, xr, yr, steps, sync)
         except NotImplementedError as exc:
-            states[name] = _task_message(exc)
+            states[name] = task_message(exc)
             continue
         states[name] = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return states
@@ -203,7 +196,7 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
             try:
                 model = wrappers[name](timeline_model(width, depth).to(dev))
             except NotImplementedError as exc:
-                runs[name] = _task_message(exc)
+                runs[name] = task_message(exc)
                 continue
             layer_of = {id(p): n.split(".")[0] for n, p in model.module.named_parameters()}
             for p in model.module.parameters():
@@ -224,7 +217,7 @@ def timeline_rank(rank: int, world_size: int, batch: int = 64, width: int = 1024
                     model.finish_gradient_synchronization()
                 except NotImplementedError as exc:
                     recording["log"] = None
-                    runs[name] = _task_message(exc)
+                    runs[name] = task_message(exc)
                     del live[name]
                     continue
                 t2 = clock.now()

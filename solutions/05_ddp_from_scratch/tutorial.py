@@ -226,7 +226,8 @@ with needs_tasks("05.2", "05.3"):  # the wrappers measured so far, naive's at le
 # %%
 with needs_tasks():
     bb = json.loads(bench_result("l05_bucket_buffers.json").read_text())
-    print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s)")
+    print(f"{bb['config']['grad_bytes'] / 2**20:.1f} MB of gradients, {bb['config']['buckets']} bucket(s); "
+          f"time vs cat: the median [lowest, highest] of {bb['config']['repeats']} repeats")
     for name, r in bb["summary"].items():
         print(f"{name:10s} sync allocations {r['sync_alloc_bytes'] / 2**20:5.2f} MB, "
               f"copies {r['sync_copy_bytes'] / 2**20:5.2f} MB per step; time vs cat "
@@ -248,11 +249,14 @@ with needs_tasks():
 # (2 ranks, 1 thread each, ConvNet without batch norm), and splits each step into compute (the
 # same step under `no_sync()`) and communication. On the course's idle 2-core CPU, at 512
 # images per rank, it measured throughput against torch DDP of **0.96 for naive, 0.99 for
-# overlap and 1.02 for bucketed** (targets: naive >= 0.85, bucketed >= 0.95). The split is the
-# lesson in one picture: naive waits about 36 ms per step for its all-reduce after backward,
-# just as long as torch DDP; overlap and bucketed hide all but 3-4 ms of it behind backward.
-# With 0.1 MB of gradients against 0.65 s of compute per step, the differences are a few
-# percent, the size of the run-to-run noise. The cell below draws the committed result file
+# overlap and 1.02 for bucketed** (medians of 7 repeats; targets: naive >= 0.85, bucketed >=
+# 0.95). Repeat by repeat they spread over 0.88-1.07, 0.91-1.04 and 0.92-1.08: naive met its
+# target every time, bucketed missed it in 1 of 7, and the order changed from repeat to repeat.
+# The split is the lesson in one picture: in the medians, naive waits about 36 ms per step for
+# its all-reduce after backward, as long as torch DDP; overlap and bucketed hide all but 3-4 ms
+# of it behind backward. With 0.1 MB of gradients against 0.65 s of compute per step, the
+# differences are a few percent, within the run-to-run noise: a single repeat's step minus its
+# compute-only step ranged from -104 to +126 ms. The cell below draws the committed result file
 # (or yours, once you rerun the script): on one axis the communication is a sliver on top of
 # the compute, so the right panel shows it alone, on its own scale.
 

@@ -238,10 +238,11 @@ with needs_tasks("01.3", "06.1", "06.2"):  # checkpoints the trainer of the cell
 # ## 6. bf16 on this CPU: does the loss follow fp32?
 #
 # Same seed, same batches, 100 steps of the MLP each way. The curves separate after a few
-# steps (any rounding difference is amplified by SGD), but the averaged losses agree: on a
-# held-out set, over three data orders, bf16's loss is not worse than fp32's by more than about
-# 0.05 nats (a CPU with native bf16 and one without take different paths, so only a one-sided,
-# averaged bound holds on both).
+# steps (any rounding difference is amplified by SGD), so the two last-50 means the cell prints
+# differ a little, by an amount that changes with the CPU. What holds on every CPU is averaged:
+# the lesson's test scores both on a held-out set over three data orders, and bf16's loss is
+# not worse than fp32's by more than 0.05 nats (a CPU with native bf16 and one without take
+# different paths, so only a one-sided, averaged bound holds on both). The time is one run's.
 
 # %%
 with needs_tasks("06.1"):
@@ -364,11 +365,14 @@ with needs_tasks():
 
 # %% [markdown]
 # On a CPU without AMX or AVX512-BF16 (look at the flags above), such as the one the reference
-# was measured on, bf16 is *slower* than fp32: the bf16 kernels convert to fp32 and back around
-# every op, and the bf16 memory savings on this model are a few hundred kilobytes of
+# was measured on, bf16 is several times *slower* than fp32 (0.18x alone and 0.19x with DDP at
+# the median of 5 repeats, slower in every one): the bf16 kernels convert to fp32 and back
+# around every op, and the bf16 memory savings on this model are a few hundred kilobytes of
 # activations. On a CPU with AMX (Sapphire Rapids and newer), oneDNN runs bf16 convs and
-# matmuls on the tile units and bf16 helps: the second result, about 1.2x, with or without
-# DDP. Memory stays the same on both: what the process holds is mostly the kernel libraries.
+# matmuls on the tile units and bf16 mostly helps: the second result, 1.23x at the median
+# alone and with DDP, though repeat by repeat DDP's ratio went from 0.94x to 1.39x (one repeat
+# of five slower). Memory stays about the same on both: what the process holds is mostly the
+# kernel libraries.
 #
 # On GPUs the AMP recipe promises 2-3x from tensor cores, for *large* models. A tiny CNN like
 # ours sees far less, because that 2-3x applies only to the time spent inside big matmuls and

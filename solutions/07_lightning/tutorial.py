@@ -246,13 +246,15 @@ with needs_tasks("07.5"):
 # `benchmarks/bench_l07_lightning_vs_raw.py` times one full epoch of Lightning `ddp` against the
 # raw DDP loop (same network, data, batch, 2 CPU ranks, 1 thread each), and every step inside
 # it. On the course's 2-core machine, with the ConvNet at batch 128 (a 120 ms step) the median
-# steps were **120.2 ms raw and 120.1 ms Lightning (1.00x)**, and the median of 28 paired
-# epochs was 0.98x: the 0.95 target is met, and the Trainer's cost is lost in the step.
-# With the notebook's MLP at batch 64 (a 7 ms step) Lightning reached **0.61x** per step (0.66x per
-# epoch): about 4.6 ms more per step, of which 0.36 ms is one collective Lightning adds every
-# step (a broadcast that lets all ranks stop together on SIGTERM). A framework's per-step cost
-# is roughly fixed: judge it on steps big enough to matter. The lesson's NOTES.md has the table. The
-# cell below draws the committed result files (or yours, once you rerun the script):
+# steps were **120.2 ms raw and 120.1 ms Lightning (1.00x)**; epoch by epoch the ratio went
+# from 0.89x to 1.17x over 10 paired repeats, either side of 1, so single epochs can miss the
+# 0.95 target while the Trainer's cost is lost in the step. With the notebook's MLP at batch 64
+# (a 7 ms step) Lightning reached **0.61x** per step (0.61x to 0.73x over 5 paired epochs,
+# slower in every one): about 4.6 ms more per step, of which 0.36 ms is one collective
+# Lightning adds every step (a broadcast that lets all ranks stop together on SIGTERM). A
+# framework's per-step cost is roughly fixed: judge it on steps big enough to matter. The
+# lesson's NOTES.md has the table. The cell below draws the committed result files (or yours,
+# once you rerun the script):
 
 # %%
 with needs_tasks():

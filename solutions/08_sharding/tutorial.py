@@ -247,8 +247,12 @@ with needs_tasks():
 # up to N = 8. On the course's idle 2-core machine, with a deep MLP of equal layers (7.1 M
 # parameters, Adam), the state per rank at N = 2 was 108.5 MB for DDP, 84.4 MB for the sharded
 # optimizer (predicted 81.4: it holds 0.55 of Adam's state, since it splits whole tensors) and
-# 54.3 MB for FSDP2 (exactly half). FSDP2 paid for it with half of DDP's steps per second; the
-# sharded optimizer ran as fast as DDP. The lesson's NOTES.md has the table; the committed plot:
+# 54.3 MB for FSDP2 (exactly half). Those bytes are the same in every run; the speed is not.
+# In that idle run (the median of 3 repeats) FSDP2 paid with half of DDP's steps per second
+# (4.9 against 9.6) and the sharded optimizer ran as fast as DDP (9.8). In 3 repeats on a busy
+# machine FSDP2 made 0.48-0.73 of DDP's steps per second, the slowest every time, and the
+# sharded optimizer 0.75-1.27, either side of DDP. The lesson's NOTES.md has both runs; the
+# committed plot:
 
 # %%
 with needs_tasks():

@@ -17,8 +17,7 @@ into a plain ``TinyTransformer`` without torch.distributed.
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from fsdp2_practice import CONFIG, build_sharded, make_optimizer, train_steps
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,9 +44,6 @@ from dpt.checkpoint import (
 )
 from dpt.dist import barrier, get_rank
 from dpt.models import TinyTransformer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-from fsdp2_practice import CONFIG, build_sharded, make_optimizer, train_steps  # noqa: E402
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -21,8 +21,7 @@ whatever the number of ranks (what lets ``dcp_checkpoint.py`` resume at another 
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import math
@@ -30,21 +29,19 @@ import statistics
 import sys
 import time
 import zlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fsdp_by_hand import loss_fn  # noqa: F401 (the lesson's loss, for the callers here)
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dpt.dist import device_mesh, get_rank, get_world_size, rank_device
+from dpt.lessons import load
 from dpt.models import TinyTransformer, token_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when run as a script
-sys.path.append(str(Path(__file__).resolve().parents[1] / "08_sharding"))  # lesson 08
-from fsdp_by_hand import loss_fn  # noqa: E402, F401 (the lesson's loss, for the callers here)
-from zero_accounting import measure_bytes  # noqa: E402
+measure_bytes = load("08_sharding", "zero_accounting", __file__).measure_bytes  # lesson 08
 
 CONFIG = {"vocab": 256, "dim": 64, "heads": 4, "layers": 4, "seq_len": 64}
 GLOBAL_BATCH = 8  # sequences per step, over all ranks: a multiple of 1, 2 and 4

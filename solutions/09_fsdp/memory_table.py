@@ -37,24 +37,21 @@ copies, the allocator's rounding and cache).
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fsdp2_practice import CONFIG  # the lesson's model
 
+from dpt.lessons import load
 from dpt.memory import MemoryTracker, allocator_peak, reset_allocator_peak
 from dpt.models import TinyTransformer, token_batch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # siblings, when run as a script
-sys.path.append(str(HERE.parent / "08_sharding"))  # lesson 08: the accounting, ZeRO by hand
-from fsdp2_practice import CONFIG  # noqa: E402 (the lesson's model)
-from zero_accounting import measure_bytes, predict_bytes  # noqa: E402
+zero_accounting = load("08_sharding", "zero_accounting", __file__)  # lesson 08, this tree's
+measure_bytes, predict_bytes = zero_accounting.measure_bytes, zero_accounting.predict_bytes
 
 METHODS = ("ddp", "zero1", "zero2", "fsdp", "fsdp2")
 LABELS = {"ddp": "DDP", "zero1": "ZeRO-1 (lesson 08)", "zero2": "ZeRO-2 (lesson 08)",
@@ -128,8 +125,7 @@ def wrap(method: str, model: torch.nn.Module, lr: float = 1e-3):
         model = DDP(model, device_ids=ids)
         return model, torch.optim.Adam(model.parameters(), lr=lr), None
     if method in ("zero1", "zero2"):
-        from zero_optimizer import ShardedOptimizer
-
+        ShardedOptimizer = load("08_sharding", "zero_optimizer", __file__).ShardedOptimizer
         if method == "zero1":
             model = DDP(model, device_ids=ids)
         opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=lr)

@@ -39,6 +39,7 @@ def _bench(tmp_path, *args, timeout=240):
                           cwd=REPO, env=env)
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
@@ -83,6 +84,7 @@ def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
     assert "control `independent`" in proc.stdout
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_path):
@@ -96,6 +98,7 @@ def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_p
     assert recs["independent"]["status"] == "ok"
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_rank(tmp_path):
@@ -120,6 +123,7 @@ def test_torchrun_and_lightning_methods_run_and_a_torchrun_failure_names_its_ran
     assert "broken on purpose under torchrun" in bad["error"]
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lesson07_speed_script_times_both_loops_and_its_diagnostic_removes_the_broadcast(
@@ -141,6 +145,8 @@ def test_lesson07_speed_script_times_both_loops_and_its_diagnostic_removes_the_b
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.tools
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_with_no_success_keeps_the_previous_good_results(tmp_path):
     good = tmp_path / "20000101-000000"
@@ -165,6 +171,7 @@ def test_a_slow_step_gets_fewer_timed_steps_and_every_rank_takes_the_same_number
     assert steps_within_budget(1.3, 6, 0) == 6 and steps_within_budget(1.3, 6, None) == 6
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_ranks_agree_on_the_slowest_ranks_step_count_and_the_summary_says_so(tmp_path):
@@ -446,6 +453,8 @@ def test_runs_go_to_an_ignored_folder_and_the_reference_is_shown_until_there_is_
                                                               "your latest run")
 
 
+@pytest.mark.tools
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_tiny_run_writes_only_under_out_and_leaves_git_status_alone(tmp_path):
     def state():
@@ -764,6 +773,9 @@ def test_a_fast_step_is_repeated_until_a_repeat_times_enough_work(monkeypatch):
     assert steps_within_budget(0.001, 6, 0.05, floor_s=0.1) == 50  # never past the budget
 
 
+@pytest.mark.tools
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_one_device_projects_n_gpus_onto_a_named_interconnect_and_says_so(tmp_path):
     # One device (one GPU, or N=1 only): no all-reduce to time, as `make benchmark` on Colab.
     proc = _bench(tmp_path, "--methods", "ddp_spawn", "--nprocs", "1", "--rounds", "1")

@@ -95,6 +95,7 @@ def _grade_exercises(tmp_path, env=None):
     return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
 def test_stubs_fail_each_with_their_own_task_message(tmp_path):
@@ -117,6 +118,7 @@ def test_stubs_fail_each_with_their_own_task_message(tmp_path):
         "a student scrolls through all of it; first lines:\n" + "\n".join(lines[:40]))
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(1300)
 def test_without_data_the_stubs_still_score_nothing_and_the_grade_says_it_is_incomplete(

@@ -37,7 +37,7 @@ def test_every_lesson_with_a_diagram_is_found():
     stems = [path.stem for path in MODULES]
     assert len(stems) == len(set(stems)), (
         f"two lessons' figures/ hold modules of the same name ({stems}): `from figures import "
-        "x` would find either, since every lesson folder is on sys.path in the tests")
+        "x` would find either, since a process keeps each lesson folder it loaded on sys.path")
 
 
 @pytest.mark.timeout(120)

@@ -191,6 +191,7 @@ def _listing(root: Path) -> list[str]:
                   if "__pycache__" not in p.parts)
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_demo_class_grades_in_one_command(tmp_path):
@@ -287,6 +288,7 @@ LOOP_AT_IMPORT = "\nimport time as _t\n\nwhile True:  # never returns\n    _t.sl
 EXIT_AT_IMPORT = "\nimport os as _os\n\n_os._exit(3)\n"
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_a_lesson_that_hangs_or_exits_at_import_costs_seconds_not_every_test_timeout(tmp_path):
@@ -374,6 +376,7 @@ with open(_os.path.join({reports!r}, f"{{_os.getpid()}}.json"), "w") as _f:
 """
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sandboxed_uid_without_a_passwd_entry_has_a_name_a_home_and_caches(tmp_path):
@@ -461,6 +464,7 @@ def _as_in_a_terminal() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],

@@ -220,6 +220,7 @@ def test_with_v_pytest_shows_every_traceback_after_the_table(tmp_path):
 # ------------------------------------------------------------------ a half-done lesson 05
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_half_done_lesson_05_reads_in_under_60_lines(tmp_path):

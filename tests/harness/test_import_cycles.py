@@ -17,17 +17,16 @@ function closes a circle as surely as one at the top):
   names such as ``HERE`` or ``REPO`` assigned in the file or imported from a module of the tree,
   and loops over a tuple of names), the folder of a lesson it opens with
   ``dpt.notebook.use_lesson("NN_name")``, the repository's root (``dpt``, ``tests``, ``tools``,
-  ``benchmarks``), and for tests and benchmarks the lesson folders (conftest and the benchmark
-  registry put them all on ``sys.path``; a name that several lessons hold is left out: those
-  are reached through the next rule). ``from a import c`` counts ``a/c.py`` too; the package
+  ``benchmarks``). Tests, tools and benchmarks, like a later lesson, reach lesson code only
+  through the loader below (``tests/harness/test_lesson_seam.py``). ``from a import c`` counts ``a/c.py`` too; the package
   ``__init__.py`` files on the way count (not those of the importing file's own packages,
   which are imported before it).
 - relative imports (``from . import x``, ``from ..pkg import y``);
-- ``importlib.import_module("name")`` and ``__import__("name")`` with a literal name (the
-  lessons' ``__import__("importlib.util")`` first line reaches the standard library: nothing);
+- ``importlib.import_module("name")`` and ``__import__("name")`` with a literal name;
 - the course's lesson loaders: any call whose first two arguments are a lesson folder's name
-  and the name of a module in that folder, or in its ``figures/`` (``tests.lessons.load(
-  LESSON, "schedule")``, ``_figure_module("05_ddp_from_scratch", "backward_timeline")``).
+  and the name of a module in that folder, or in its ``figures/`` (``dpt.lessons.load(
+  "08_sharding", "zero_accounting", __file__)`` in lesson 09, ``tests.lessons.load(LESSON,
+  "schedule")``, ``_figure_module("05_ddp_from_scratch", "backward_timeline")``).
 
 A file importing itself (``import hang_clinic`` in its own ``main``, so that rank processes
 find its functions under that name) is no circle. Modules of the standard library and of
@@ -124,8 +123,7 @@ class ImportGraph:
                 if value is not UNKNOWN:
                     env[node.targets[0].id] = value
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found = self.module_files(node.module, path, [path.parent, self.repo],
-                                          lessons_too=False)
+                found = self.module_files(node.module, path, [path.parent, self.repo])
                 source = self.env(found[-1]) if found else {}
                 for alias in node.names:
                     if alias.name in source:
@@ -237,8 +235,8 @@ class ImportGraph:
                 found.append(Path(value))
         return found
 
-    def module_files(self, dotted: str, path: Path, dirs: list[Path] | None = None,
-                     lessons_too: bool = True) -> list[Path]:
+    def module_files(self, dotted: str, path: Path,
+                     dirs: list[Path] | None = None) -> list[Path]:
         """The files ``import dotted`` runs from ``path``: each package's ``__init__.py`` on
         the way, then the module. Empty when it is not a module of the tree."""
         parts = dotted.split(".")
@@ -246,11 +244,6 @@ class ImportGraph:
             found = self._walk(base, parts)
             if found is not None:
                 return found
-        if lessons_too and self._sees_every_lesson(path):
-            hits = [found for lesson in self.lessons
-                    if (found := self._walk(lesson, parts)) is not None]
-            if len(hits) == 1:
-                return hits[0]
         return []
 
     def _walk(self, base: Path, parts: list[str]) -> list[Path] | None:
@@ -277,10 +270,6 @@ class ImportGraph:
             else:
                 return None
         return files
-
-    def _sees_every_lesson(self, path: Path) -> bool:
-        top = path.relative_to(self.repo).parts[0]
-        return top in ("tests", "benchmarks")
 
     def edges_of(self, path: Path) -> list[Edge]:
         env, dirs = self.env(path), self.search_path(path)
@@ -473,12 +462,14 @@ def test_the_walk_follows_the_course_s_ways_of_importing(tmp_path):
     """Each idiom the course uses to reach another file is followed: a sibling by bare name
     (lazily too), a package module, a relative import, a folder added to sys.path through a
     name (imported from another module too), a loop and ``sys.path[:0]``, a lesson opened by a
-    notebook, a lesson module named to a loader, and ``import_module``; the standard library,
-    the lessons' first line and a file's import of itself are not edges; a test file that
-    nothing imports is not read."""
+    notebook, a lesson module named to a loader (from a test, a benchmark or another lesson),
+    and ``import_module``; the standard library, a benchmark's bare name of a lesson module
+    and a file's import of itself are not edges; a test file that nothing imports is not
+    read."""
     _write(tmp_path, {
-        "solutions/01_a/one.py": ('__import__("importlib.util").util.find_spec("dpt")\n'
-                                  "import os\nimport one\nfrom two import f\n"),
+        "solutions/01_a/one.py": "import dpt\nimport os\nimport one\nfrom two import f\n",
+        "solutions/03_c/later.py": ("from dpt.lessons import load\n"
+                                    'f = load("01_a", "two", __file__).f\n'),
         "solutions/01_a/two.py": "def f():\n    import three\n",
         "solutions/01_a/three.py": ("import sys\nfrom pathlib import Path\n"
                                     "HERE = Path(__file__).resolve().parent\n"
@@ -492,6 +483,7 @@ def test_the_walk_follows_the_course_s_ways_of_importing(tmp_path):
                                        "\nimport other\n"),
         "dpt/__init__.py": "",
         "dpt/notebook.py": "",
+        "dpt/lessons.py": "",
         "dpt/x.py": "from . import y\n",
         "dpt/y.py": "from .z import g\n",
         "dpt/z.py": "import dpt.x\n",
@@ -501,6 +493,8 @@ def test_the_walk_follows_the_course_s_ways_of_importing(tmp_path):
                                   'def fn():\n    load(LESSON, "two")\n'),
         "tests/l01/test_a.py": "import broken syntax, never read\n",
         "benchmarks/__init__.py": "",
+        "benchmarks/methods_a.py": ('from dpt.lessons import load\nimport one\n'
+                                    'def m():\n    load("01_a", "two", "solutions").f()\n'),
         "benchmarks/m.py": ("import sys\nfrom tests.lessons import REPO\n"
                             'sys.path[:0] = [str(REPO / "tools")]\nimport tool\n'),
         "tools/tool.py": 'import importlib\nimportlib.import_module("benchmarks.m")\n',
@@ -511,7 +505,11 @@ def test_the_walk_follows_the_course_s_ways_of_importing(tmp_path):
         return sorted(str(e.target.relative_to(graph.repo)) for e in graph.edges[
             (graph.repo / name).resolve()])
 
-    assert targets("solutions/01_a/one.py") == ["solutions/01_a/two.py"]
+    assert targets("solutions/01_a/one.py") == ["dpt/__init__.py", "solutions/01_a/two.py"]
+    assert targets("solutions/03_c/later.py") == [
+        "dpt/__init__.py", "dpt/lessons.py", "solutions/01_a/two.py"]
+    assert targets("benchmarks/methods_a.py") == [
+        "dpt/__init__.py", "dpt/lessons.py", "solutions/01_a/two.py"]
     assert targets("solutions/01_a/two.py") == ["solutions/01_a/three.py"]
     assert targets("solutions/01_a/three.py") == ["solutions/02_b/other.py"]
     assert targets("solutions/02_b/other.py") == ["solutions/01_a/one.py"]

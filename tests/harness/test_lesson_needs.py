@@ -295,6 +295,7 @@ def untouched_earlier_tree(root, untouched=("05_ddp_from_scratch", "08_sharding"
 KEEP = {"09_fsdp": ("use_lesson(",), "10_inside_a_step": ("use_lesson(", "tr.run_traces(")}
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("lesson", sorted(KEEP))

@@ -92,3 +92,54 @@ def test_notebook_10_says_the_seed_count_of_the_results_it_shows():
         assert int(count) == shown, (
             f"notebook 10 says {count} seeds; the results it shows are over {shown}: say the "
             "count the run used (or print it from the result)")
+
+
+def _markdown_of(tutorial: str) -> str:
+    """The words of a jupytext percent file's markdown cells, one line each, joined."""
+    words, markdown = [], False
+    for line in tutorial.splitlines():
+        if line.startswith("# %%"):
+            markdown = "[markdown]" in line
+        elif markdown and line.startswith("#"):
+            words.append(line[1:].strip())
+    return " ".join(words)
+
+
+# A measured ratio as the notebooks write it: "1.23x", "**0.61x**", "0.89x to 1.17x",
+# "1.5 to 2.4x", "0.21-0.48 times as long". Decimals only: "65536x" or "2-3x" are not
+# measurements of this course.
+_RATIO = re.compile(r"(\d+\.\d+)(?:x|×)?(?:\s*(?:-|–|to)\s*(\d+\.\d+))?\s*(?:x\b|×|times as)")
+
+
+def ratios_missing_from_readme(tutorial: str, readme: str) -> list[str]:
+    """The ratios a notebook's prose quotes that its lesson's README does not give."""
+    given = set(re.findall(r"\d+\.\d+", readme))
+    return [m.group(0) for m in _RATIO.finditer(_markdown_of(tutorial))
+            if any(f and f not in given for f in m.groups())]
+
+
+def test_the_ratio_check_reads_what_the_notebooks_write():
+    tutorial = ("# %% [markdown]\n# bf16 helps: **1.23x** alone, 0.94x to 1.39x with DDP,\n"
+                "# a step 1.09-1.55 times as long, 65536x smaller\n"
+                "# %%\nprint(f'{r:.2f}x')  # code, not prose: 0.50x\n")
+    assert ratios_missing_from_readme(tutorial, "1.23x [0.94, 1.39]; 1.09-1.55") == []
+    assert ratios_missing_from_readme(tutorial, "1.23x [0.94, 1.30]; 1.09-1.55") == [
+        "0.94x to 1.39x"]
+    assert ratios_missing_from_readme("# %% [markdown]\n# about 1.2x\n", "1.23x") == ["1.2x"]
+
+
+@pytest.mark.parametrize("lesson", sorted(p.parent.name for p in SOLUTIONS.glob("*/tutorial.py")
+                                          if (p.parent / "README.md").exists()))
+def test_a_notebook_quotes_only_the_ratios_its_readme_gives(lesson):
+    """Lesson 06's notebook said bf16 helps "about 1.2x, with or without DDP" where its README
+    had 1.23x [0.94, 1.39] with DDP, one repeat of five slower; lesson 07's quoted a 0.98x
+    pooled over other runs and a 0.66x, where its README had 0.89-1.17x and 0.61-0.73x. The
+    README holds each measured ratio with the spread of repeated runs: a notebook quotes those
+    figures, or prints its own from the cell below."""
+    folder = SOLUTIONS / lesson
+    missing = ratios_missing_from_readme((folder / "tutorial.py").read_text(),
+                                         (folder / "README.md").read_text())
+    assert not missing, (
+        f"{lesson}/tutorial.py's prose quotes {missing}, which {lesson}/README.md does not "
+        "give: quote the README's figure with its range (or add the measurement, with its "
+        "spread over repeated runs, to the README first)")

@@ -171,11 +171,11 @@ def test_lesson_05_compares_and_times_each_wrapper_whose_tasks_are_done(tmp_path
     tasks = lesson_tasks(lesson)
     tree = build_tree(tmp_path, lesson, set(tasks[:tasks.index("05.5") + 1]))
     code = f"""
-import json, sys
-sys.path.insert(0, {str(tree / lesson)!r})
+import json
 import torch
-import scratch_demo
+from dpt.lessons import load
 from dpt.ranks import run_distributed
+scratch_demo = load({lesson!r}, "scratch_demo", {str(tree)!r})
 x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
 states = run_distributed(scratch_demo.compare_rank, world_size=2, args=(x, y, 2), timeout=120,
                          echo=False)

@@ -300,6 +300,7 @@ PREFIX_CASES = [(path, k, upto) for path in NOTEBOOKS
                 for k, upto in unlocking_prefixes(path).items()]
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("path, k, upto", PREFIX_CASES,
@@ -321,6 +322,7 @@ def test_each_block_runs_with_just_its_own_tasks_done(path, k, upto, tmp_path, m
     assert newly, f"no block that needs Task {last} ran"
 
 
+@pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

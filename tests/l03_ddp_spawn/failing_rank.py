@@ -1,20 +1,17 @@
 """Lesson 03's script with a fault the test injects: rank 1 raises as its first epoch starts.
 
 The lesson's code has no hook for this. ``mp.spawn`` starts each process by importing this
-file again (as ``__mp_main__``), so the patch below is in place in every rank.
+file again (as ``__mp_main__``), so the patch below is in place in every rank. The lesson comes
+from the tree under test (``$DPT_TARGET``, which the test's environment passes on).
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch.distributed as dist
 
-from tests.lessons import lesson_dir  # noqa: E402
+from dpt.lessons import load
 
-sys.path.insert(0, str(lesson_dir("03_ddp_spawn")))
-
-import ddp_spawn  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+ddp_spawn = load("03_ddp_spawn", "ddp_spawn")
 
 _real_run_epoch = ddp_spawn.Trainer._run_epoch
 

@@ -2,20 +2,16 @@
 
 ``DPT_FAULT=EPOCH:BATCH:RANK``: on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0),
 rank RANK dies before batch BATCH of epoch EPOCH the way a killed worker does: ``os._exit``,
-no cleanup, no goodbye to the other ranks. torchrun then restarts every worker.
+no cleanup, no goodbye to the other ranks. torchrun then restarts every worker. The lesson
+comes from the tree under test (``$DPT_TARGET``, which the test's environment passes on).
 """
 
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dpt.lessons import load
 
-from tests.lessons import lesson_dir  # noqa: E402
-
-sys.path.insert(0, str(lesson_dir("04_ddp_torchrun")))
-
-import ddp_torchrun as lesson  # noqa: E402
+lesson = load("04_ddp_torchrun", "ddp_torchrun")
 
 FAULT_EXIT_CODE = 13  # so that the log tells the injected crash from a bug
 EPOCH, BATCH, RANK = (int(v) for v in os.environ["DPT_FAULT"].split(":"))

@@ -1,8 +1,8 @@
-"""Rank functions, toy models and reference parts for lesson 05's tests.
+"""Rank functions and toy models for lesson 05's tests.
 
 The graded tests check one task at a time: every *other* task the variant needs is replaced
-by the reference version below (``patches``), so a stub fails with its own message and a bug
-in one task does not fail another task's tests. Ungraded tests run the lesson code unpatched.
+by the solution's code (:func:`apply_patches`, the references generated from solutions/), so a
+stub fails with its own message and a bug in one task does not fail another task's tests. Ungraded tests run the lesson code unpatched.
 
 Every tensor and model a rank function makes is put on ``dpt.dist.rank_device()`` (the GPU
 under NCCL, the CPU under gloo), so the same tests run on N GPUs.
@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import dpt.dist
+from tests import references as refs
 from tests.helpers import tensors_in, watching_collectives
 from tests.lessons import load
 
@@ -152,146 +153,24 @@ def trainable_numel(model_name: str, **kw) -> int:
 
 
 # --------------------------------------------------------------------------- references
-def ref_broadcast_state(module, src=0):
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=src)
-
-
-def ref_naive_finish(self):
-    if not self.require_sync:
-        return
-    for p in self.params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad.div_(self.world_size)
-
-
-@contextlib.contextmanager
-def ref_no_sync(self):
-    previous, self.require_sync = self.require_sync, False
-    try:
-        yield
-    finally:
-        self.require_sync = previous
-
-
-def ref_overlap_hooks(self):
-    def hook(param):
-        if self.require_sync:
-            self.pending.append((dist.all_reduce(param.grad, async_op=True), param))
-
-    for p in self.params:
-        self.hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-
-
-def ref_overlap_finish(self):
-    if not self.require_sync:
-        return
-    launched = {id(p) for _, p in self.pending}
-    if any(id(p) not in launched for p in self.params):
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-        raise RuntimeError("reference: a parameter got no gradient (unused)")
-    for work, p in self.pending:
-        work.wait()
-        p.grad.div_(self.world_size)
-    self.pending.clear()
-
-
-def ref_assign_buckets(params, bucket_cap_mb):
-    cap, buckets, current, size = bucket_cap_mb * 2**20, [], [], 0
-    for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * params[i].element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    return buckets + ([current] if current else [])
-
-
-def ref_bucket_hooks(self):
-    self._build_buckets()
-
-    def hook(param):
-        if not self.require_sync:
-            return
-        b, i = self.bucket_of[id(param)]
-        view = self.views[b][i]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            if self.gradient_as_bucket_view:
-                param.grad = view
-        self.ready[b] += 1
-        if self.ready[b] == len(self.buckets[b]):
-            self.pending.append((dist.all_reduce(self.bucket_buffers[b], async_op=True), b))
-
-    for bucket in self.buckets:
-        for p in bucket:
-            self.hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-
-
-def ref_bucket_finish(self):
-    if not self.require_sync:
-        return
-    if {b for _, b in self.pending} != set(range(len(self.buckets))):
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-        self.ready = [0] * len(self.buckets)
-        raise RuntimeError("reference: a bucket never became ready (unused parameter)")
-    for work, b in self.pending:
-        work.wait()
-        self.bucket_buffers[b].div_(self.world_size)
-        if not self.gradient_as_bucket_view:
-            for p, view in zip(self.buckets[b], self.views[b]):
-                p.grad.copy_(view)
-    self.pending.clear()
-    self.ready = [0] * len(self.buckets)
-
-
-# Which task each patchable part belongs to, and how to put the reference in its place.
-TASK_PARTS = {"05.2": "broadcast", "05.3": "naive_finish", "05.4": "overlap_hooks",
-              "05.5": "overlap_finish", "05.6": "assign", "05.7": "bucket_hooks",
-              "05.8": "bucket_finish", "05.9": "no_sync"}
+# The tasks each wrapper needs; a test of one of them puts the solution's code (the references
+# generated from solutions/, tests/references.py) in place of the others.
 VARIANT_TASKS = {"naive": ["05.2", "05.3", "05.9"], "overlap": ["05.2", "05.4", "05.5", "05.9"],
                  "bucketed": ["05.2", "05.6", "05.7", "05.8", "05.9"]}
+TASKS = sorted({t for tasks in VARIANT_TASKS.values() for t in tasks})
 
 
-def apply_patches(parts, set_attr=setattr) -> None:
-    """Put the reference ``parts`` in place. In a rank process for good (``setattr``); in the
-    test process pass ``monkeypatch.setattr``, so that the lesson code is restored after."""
-    base, naive, overlap, bucketed = (load(LESSON, m) for m in (
-        "ddp_base", "naive_ddp", "overlap_ddp", "bucketed_ddp"))
-    for part in parts:
-        if part == "broadcast":
-            set_attr(base, "broadcast_state", ref_broadcast_state)
-        elif part == "naive_finish":
-            set_attr(naive.NaiveDDP, "finish_gradient_synchronization", ref_naive_finish)
-        elif part == "no_sync":
-            set_attr(base.DDPBase, "no_sync", ref_no_sync)
-        elif part == "overlap_hooks":
-            set_attr(overlap.OverlapDDP, "_register_hooks", ref_overlap_hooks)
-        elif part == "overlap_finish":
-            set_attr(overlap.OverlapDDP, "finish_gradient_synchronization", ref_overlap_finish)
-        elif part == "assign":
-            set_attr(bucketed, "assign_buckets", ref_assign_buckets)
-        elif part == "bucket_hooks":
-            set_attr(bucketed.BucketedDDP, "_register_hooks", ref_bucket_hooks)
-        elif part == "bucket_finish":
-            set_attr(bucketed.BucketedDDP, "finish_gradient_synchronization", ref_bucket_finish)
-        else:
-            raise ValueError(part)
+def apply_patches(tasks, set_attr=setattr) -> None:
+    """Put the references of ``tasks`` in place. In a rank process for good (``setattr``); in
+    the test process pass ``monkeypatch.setattr``, so that the lesson code is restored after."""
+    refs.put(LESSON, tasks, set_attr)
 
 
 def parts_except(variant: str, task: str | None) -> list[str]:
-    """Reference parts for every task of ``variant`` but ``task`` (None: patch nothing)."""
+    """Every task of ``variant`` but ``task`` (None: none, the lesson's code as it is)."""
     if task is None:
         return []
-    return [TASK_PARTS[t] for t in VARIANT_TASKS[variant] if t != task]
+    return [t for t in VARIANT_TASKS[variant] if t != task]
 
 
 def wrap(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, as_view: bool = False):
@@ -721,5 +600,5 @@ def mean_of_known_gradients(rank, world_size, variant, task=None, bucket_cap_mb=
 def demo_compare_rank(rank, world_size, x, y, steps):
     """The notebook's ``scratch_demo.compare_rank``, with every task's reference part in place
     (this checks the demo's slicing and step order, not the wrappers)."""
-    apply_patches(sorted(set(TASK_PARTS.values())))
+    apply_patches(TASKS)
     return load(LESSON, "scratch_demo").compare_rank(rank, world_size, x, y, steps)

@@ -635,10 +635,8 @@ def one_process_bucketed(monkeypatch):
     """The lesson's bucketed_ddp, built in this process as a world of one (the shared
     group_of_one), with the reference parts for tasks 05.2 and 05.6-05.7: only given code is
     graded."""
-    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", rf.ref_broadcast_state)
+    rf.apply_patches(["05.2", "05.6", "05.7"], set_attr=monkeypatch.setattr)
     bucketed = load(LESSON, "bucketed_ddp")
-    monkeypatch.setattr(bucketed, "assign_buckets", rf.ref_assign_buckets)
-    monkeypatch.setattr(bucketed.BucketedDDP, "_register_hooks", rf.ref_bucket_hooks)
     with group_of_one():
         yield bucketed
 
@@ -1073,7 +1071,7 @@ class _ClockWork:
 def reference_parts(monkeypatch):
     """Every task's reference part in place for this test (undone after it): the given code
     around them is what is checked."""
-    rf.apply_patches(sorted(set(rf.TASK_PARTS.values())), set_attr=monkeypatch.setattr)
+    rf.apply_patches(rf.TASKS, set_attr=monkeypatch.setattr)
 
 
 def test_the_timeline_keeps_the_median_step_in_ms_on_a_scripted_clock(monkeypatch,
@@ -1237,7 +1235,7 @@ def test_naive_makes_no_collective_when_sync_is_off(monkeypatch):
     inside no_sync()) it returns before any communication."""
     import torch.nn.functional as F
 
-    monkeypatch.setattr(load(LESSON, "ddp_base"), "broadcast_state", rf.ref_broadcast_state)
+    rf.apply_patches(["05.2"], set_attr=monkeypatch.setattr)
     naive = load(LESSON, "naive_ddp")
     calls = []
     with group_of_one():

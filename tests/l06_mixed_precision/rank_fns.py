@@ -1,4 +1,7 @@
-"""Rank functions for lesson 06's multi-process tests (importable, so ranks can run them)."""
+"""Rank functions for lesson 06's multi-process tests (importable, so ranks can run them).
+
+Each takes the lesson's modules from the tree under test (``tests.lessons.load``), in the rank.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dpt.models import ConvNet
+from tests.lessons import load
+
+LESSON = "06_mixed_precision"
 
 
 def _batch(rank: int, step: int, n: int = 8):
@@ -19,7 +25,7 @@ def hook_under_bf16(rank: int, world_size: int) -> dict:
     """DDP + bf16 autocast with the lesson's recording hook, written without the lesson's
     train step (so this tests task 06.3 alone). Returns the recorded dtypes, this rank's
     local gradients (from an unwrapped copy), the DDP gradients and the final parameters."""
-    import amp_inspect  # the lesson module, from the tree under test
+    amp_inspect = load(LESSON, "amp_inspect")
 
     torch.manual_seed(0)
     model = ConvNet(batch_norm=False)
@@ -56,7 +62,7 @@ def lesson_trainer_ddp(rank: int, world_size: int, precision: str) -> dict:
     lesson's recording hook (``amp_inspect.ddp_dtypes``). A forward hook on the model it
     builds adds, per step, the autocast dtype the forward ran under (None: autocast off) and
     the samples this rank trained on."""
-    import amp_inspect
+    amp_inspect = load(LESSON, "amp_inspect")
 
     seen = {"autocast": [], "inputs": []}
     real_build = amp_inspect.build_model
@@ -89,9 +95,9 @@ def save_on_ranks(rank: int, world_size: int, folder: str) -> dict:
     return before the file is there)."""
     from pathlib import Path
 
-    import ddp_amp  # the lesson module, from the tree under test
-
     from tests.helpers import recording_moves, slowed
+
+    ddp_amp = load(LESSON, "ddp_amp")
 
     torch.manual_seed(0)
     model = ConvNet(batch_norm=False)
@@ -114,9 +120,9 @@ def precision_on_unlike_ranks(rank: int, world_size: int, precision: str = "auto
     """The lesson's Trainer on ranks whose CPUs differ: rank 0's has bf16 instructions, the
     others' have none (faked, so the answer does not depend on this machine's CPU). Returns the
     autocast dtype it chose and whether its GradScaler is on."""
-    import ddp_amp  # the lesson module, from the tree under test
-
     import dpt.precision
+
+    ddp_amp = load(LESSON, "ddp_amp")
 
     dpt.precision.cpu_has_fast_bf16 = lambda: rank == 0
     torch.manual_seed(0)

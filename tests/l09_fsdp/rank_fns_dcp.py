@@ -1,8 +1,7 @@
 """Rank functions for lesson 09's FSDP2 and DCP tests (run by dpt.ranks.run_distributed).
 
-Each check runs one task's code between reference parts written here with torch's own calls
-(``fully_shard``, ``to_empty``, ``full_tensor``, ``get_optimizer_state_dict``), so a task is
-graded on its own. A part that raises is returned as ``{"error": ...}`` (the same on every
+Each check runs one task's code between the other tasks' references, the solution's own code
+(tests/l09_fsdp/_references.py, generated from solutions/), so a task is graded on its own. A part that raises is returned as ``{"error": ...}`` (the same on every
 rank, since the ranks run the same code), so the other parts of the same launch still run and
 each test fails with its own task's message.
 """
@@ -14,12 +13,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from dpt.dist import device_mesh, rank_device
+from dpt.dist import rank_device
 from dpt.memory import MemoryTracker
 from dpt.models import TinyTransformer
+from tests import references as refs
 from tests.helpers import rank_part
 from tests.lessons import load
 
@@ -45,38 +45,25 @@ def meta_model(fp) -> TinyTransformer:
         return TinyTransformer(**fp.CONFIG)
 
 
-def ref_shard(model, raf: bool = True, bf16: bool = False):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if bf16 else MixedPrecisionPolicy())
-    mesh = device_mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+def ref(task: str):
+    """The solution's code for ``task`` (tests/l09_fsdp/_references.py), in the lesson's module."""
+    return refs.reference(LESSON, task)
 
 
-@torch.no_grad()
-def ref_materialize(fp, model, seed: int = 0):
-    model.to_empty(device=rank_device())
-    for name, p in model.named_parameters():
-        start, _ = fp.shard_rows(p)
-        fp.fill_rows(p.to_local() if isinstance(p, DTensor) else p, name, p.shape, start, seed)
-    return model
+def build(fp, seed: int = 0):
+    """The model, sharded and initialised by the references of 09.17 and 09.19."""
+    return ref("09.19")(ref("09.17")(meta_model(fp)), rank_device(), seed)
 
 
-def ref_build(fp, seed: int = 0, raf: bool = True, bf16: bool = False):
-    return ref_materialize(fp, ref_shard(meta_model(fp), raf=raf, bf16=bf16), seed)
-
-
-def ref_train(fp, model, optimizer, steps, seed: int = 0) -> list[float]:
-    """The lesson's training step with this file's own slicing of the global batch."""
+def train(fp, model, optimizer, steps, seed: int = 0, batch: int | None = None) -> list[float]:
+    """The lesson's training step, on the slices of the reference of 09.20 (train_steps, the
+    given loop, would use the student's) of global batches of ``batch`` (None: the lesson's)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank_slice = ref("09.20")
     losses = []
     for step in steps:
-        x, y = fp.global_batch(step, seed)
-        per = len(x) // world_size
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = rank_slice(*fp.global_batch(step, seed, batch=batch or fp.GLOBAL_BATCH), rank,
+                          world_size)
         optimizer.zero_grad(set_to_none=True)
         loss = fp.loss_fn(model(x.to(rank_device())), y.to(rank_device()))
         loss.backward()
@@ -155,7 +142,7 @@ def _units_check(fp):
         units = {"root": isinstance(model, FSDPModule)}
         units.update({f"blocks.{i}": isinstance(b, FSDPModule)
                       for i, b in enumerate(model.blocks)})
-        ref_materialize(fp, model)
+        ref("09.19")(model, rank_device())
         types = sorted({type(p).__name__ for p in model.parameters()})
         x, y = fp.global_batch(0)
         per = len(x) // dist.get_world_size()
@@ -169,15 +156,15 @@ def _units_check(fp):
 
 def _fp32_check(fp, steps):
     model = fp.shard_transformer(meta_model(fp))
-    ref_materialize(fp, model)
-    return {"losses": ref_train(fp, model, fp.make_optimizer(model.parameters()), range(steps))}
+    ref("09.19")(model, rank_device())
+    return {"losses": train(fp, model, fp.make_optimizer(model.parameters()), range(steps))}
 
 
 def _bf16_check(fp, steps):
     """The dtype each block's weights have when it computes, the dtype the gradients are
     reduce-scattered in, the shards' dtype, and the losses (or the error training hit)."""
     model = fp.shard_transformer(meta_model(fp), bf16=True)
-    ref_materialize(fp, model)
+    ref("09.19")(model, rank_device())
     compute = {}
     for i, block in enumerate(model.blocks):  # the block's first layer, its weights gathered
         block.norm1.register_forward_pre_hook(
@@ -187,7 +174,7 @@ def _bf16_check(fp, steps):
     out = {"losses": None, "error": None}
     with counting_collectives() as seen:
         try:
-            out["losses"] = ref_train(fp, model, optimizer, range(steps))
+            out["losses"] = train(fp, model, optimizer, range(steps))
         except RuntimeError as exc:  # e.g. "mat1 and mat2 must have the same dtype"
             out["error"] = (str(exc).splitlines() or [""])[0]
     out.update(compute=compute, reduce=sorted(set(seen["reduce_dtypes"])),
@@ -196,9 +183,9 @@ def _bf16_check(fp, steps):
 
 
 def _prefetch_check(fp, ahead):
-    model = ref_shard(meta_model(fp))
+    model = ref("09.17")(meta_model(fp))
     enabled = fp.set_prefetch(list(model.blocks), ahead=ahead)
-    ref_materialize(fp, model)
+    ref("09.19")(model, rank_device())
     counts = {}
     with counting_collectives() as seen:
         for i, block in enumerate(model.blocks):  # inside the block: after FSDP2's pre-forward
@@ -212,7 +199,7 @@ def _prefetch_check(fp, ahead):
 
 
 def _init_check(fp, seed):
-    model = ref_shard(meta_model(fp))
+    model = ref("09.17")(meta_model(fp))
     with MemoryTracker(rank_device().type) as mem:
         fp.materialize(model, rank_device(), seed)
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()
@@ -224,7 +211,7 @@ def _init_check(fp, seed):
 
 
 def _slice_check(fp, steps):
-    model = ref_build(fp)
+    model = build(fp)
     return {"losses": fp.train_steps(model, fp.make_optimizer(model.parameters()), steps)}
 
 
@@ -269,14 +256,14 @@ def dcp_save_run(rank, world_size, folder, reference, export, steps=6, save_at=3
     ``folder`` and torch's into ``reference`` (what the model and Adam held then is returned),
     the lesson's export at the end."""
     fp, ck = practice(), checkpointing()
-    model = ref_build(fp)
+    model = build(fp)
     optimizer = fp.make_optimizer(model.parameters())
-    losses = ref_train(fp, model, optimizer, range(save_at))
+    losses = train(fp, model, optimizer, range(save_at))
     saved = {"params": full_params(model), "adam": full_adam(model, optimizer)}
     save = _part(ck.save_checkpoint, model, optimizer, folder, save_at)
     dist.barrier()
-    ref_save(model, optimizer, reference, save_at)  # what the resume tests load
-    losses += ref_train(fp, model, optimizer, range(save_at, steps))
+    ref("09.21")(model, optimizer, reference, save_at)  # what the resume tests load
+    losses += train(fp, model, optimizer, range(save_at, steps))
     final = full_params(model)
     exported = _part(ck.export_full, model, export)
     if rank == 0 and not (isinstance(exported, dict) and "error" in exported):
@@ -300,14 +287,14 @@ def dcp_resume_run(rank, world_size, folder, steps=6, broken=(), lesson_saved=No
     checkpoint with the lesson's load_checkpoint, then trains to ``steps``; then the lesson's
     load_checkpoint on each ``broken`` folder, whose error is returned."""
     fp, ck = practice(), checkpointing()
-    model = ref_build(fp, seed=7)
+    model = build(fp, seed=7)
     optimizer = fp.make_optimizer(model.parameters())
     out = {}
 
     def resume():
         start = ck.load_checkpoint(model, optimizer, folder)
         loaded = {"params": full_params(model), "adam": full_adam(model, optimizer)}
-        losses = ref_train(fp, model, optimizer, range(int(start), steps))
+        losses = train(fp, model, optimizer, range(int(start), steps))
         return {"start": start, "losses": losses, "loaded": loaded if rank == 0 else None}
 
     out["resume"] = _part(resume)
@@ -325,35 +312,14 @@ def dcp_resume_run(rank, world_size, folder, steps=6, broken=(), lesson_saved=No
     return out
 
 
-def ref_save(model, optimizer, folder, step):
-    """torch's own sharded save, in the layout the lesson documents."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state, "step": step}, checkpoint_id=folder)
-
-
-def ref_load(model, optimizer, folder) -> int:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": -1}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    return state["step"]
-
-
 def read_back(rank, world_size, folder):
     """torch's own load of a checkpoint the lesson saved, into a model of another seed."""
     fp = practice()
-    model = ref_build(fp, seed=7)
+    model = build(fp, seed=7)
     optimizer = fp.make_optimizer(model.parameters())
 
     def read():
-        start = ref_load(model, optimizer, folder)
+        start = ref("09.22")(model, optimizer, folder)
         return {"start": start, "params": full_params(model),
                 "adam": full_adam(model, optimizer)}
 
@@ -388,12 +354,13 @@ def three_rank_checks(rank, world_size, folder, reference, export, init_seed=3):
     out = {"init": _part(_init_check, fp, init_seed)}
     if rank != 0 and isinstance(out["init"].get("full"), dict):
         out["init"]["full"] = None
-    model = ref_build(fp)
+    model = build(fp)
     optimizer = fp.make_optimizer(model.parameters())
-    ref_train(fp, model, optimizer, range(1))  # Adam's state exists: it is saved too
+    # Adam's state exists: it is saved too (a global batch of 6 splits over 3 ranks)
+    train(fp, model, optimizer, range(1), batch=2 * world_size)
     out["save"] = _part(ck.save_checkpoint, model, optimizer, folder, 1)
     dist.barrier()
-    fresh = ref_build(fp, seed=7)
+    fresh = build(fp, seed=7)
     fresh_optimizer = fp.make_optimizer(fresh.parameters())
 
     def resume():

@@ -1,8 +1,9 @@
 """Rank functions for the tests of lesson 09's hand-written FSDP (run by run_distributed).
 
 Each task is graded on its own: :func:`scenario` runs the lesson's ``FSDP`` with the
-student's code for the tasks in ``keep`` and the test's own reference below for every other
-task (:func:`use_references`), so a task's tests fail only on that task, and name it.
+student's code for the tasks in ``keep`` and the solution's code for every other task (the
+references generated from solutions/, :func:`use_references`), so a task's tests fail only on
+that task, and name it.
 
 Before the real run each scenario makes a dry run: the same FSDP with collectives that send
 nothing (:func:`fake_gather`, :func:`fake_reduce_scatter`), logging the order in which the
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dpt.models import TinyTransformer
+from tests import references as refs
 from tests.lessons import load
 
 LESSON = "09_fsdp"
@@ -50,162 +52,70 @@ def loss_of(logits, targets):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-# --- the test's own answer to each task ------------------------------------------------------
+# --- the reference of each task: the solution's own code, with the test's checks -------------
 
-def ref_shard_flat(tensors, rank, world_size):
-    n = sum(t.numel() for t in tensors)
-    per = -(-n // world_size)
-    flat = torch.zeros(per * world_size, dtype=torch.float32, device=tensors[0].device)
-    flat[:n] = torch.cat([t.detach().flatten().float() for t in tensors])
-    return flat[rank * per:(rank + 1) * per].clone(), per * world_size
+TASKS = tuple(task for task, places in refs.generated(LESSON).TASKS.items()
+              if places[0][0] == "fsdp_by_hand")  # 09.1-09.12
 
 
-def ref_gather(unit):
-    full = unit.full
-    full.untyped_storage().resize_(full.numel() * full.element_size())
-    return dist.all_gather_into_tensor(full.data, unit.shard.detach().to(full.dtype),
-                                       group=unit.group, async_op=True)
-
-
-def ref_use(unit):
-    offset = 0
-    for (module, attr), n, shape in zip(unit.slots, unit.numels, unit.shapes):
-        setattr(module, attr, unit.full[offset:offset + n].view(shape))
-        offset += n
-
-
-def ref_free(unit):
-    unit.full.untyped_storage().resize_(0)
-    unit.full.grad = None
-
-
-def ref_reduce_scatter(unit):
+def _no_gradient_yet(unit) -> None:
+    """The reduce-scatter of a unit whose gradient is not there: say why, not AttributeError."""
     if unit.full.grad is None:
         raise AssertionError(
             f"unit {unit.name}: reduce_scatter() found no gradient in unit.full.grad: the unit "
             "was freed before its gradient was sent, or its reduce-scatter started before "
             "autograd had accumulated the unit's gradient")
-    unit.grad_full = unit.full.grad.float() / unit.world_size
-    unit.grad_shard = torch.zeros(unit.shard.shape, dtype=torch.float32,
-                                  device=unit.shard.device)
-    return dist.reduce_scatter_tensor(unit.grad_shard, unit.grad_full, group=unit.group,
-                                      async_op=True)
 
 
-def ref_register_hooks(fsdp):
-    for unit in fsdp.units:
-        def pre(module, args, unit=unit):
-            fsdp._pre_forward(unit)
-
-        def post(module, args, output, unit=unit):
-            fsdp._post_forward(unit, output)
-
-        unit.module.register_forward_pre_hook(pre)
-        unit.module.register_forward_hook(post)
-    for unit in fsdp.all_units:
-        def done(full, unit=unit):
-            fsdp._post_backward(unit)
-
-        unit.full.register_post_accumulate_grad_hook(done)
+def _checked_reduce_scatter(reference):
+    def reduce_scatter(unit):
+        _no_gradient_yet(unit)
+        return reference(unit)
+    return reduce_scatter
 
 
-def _gather_with_prefetch(fsdp, unit, following):
-    if unit.handle is None:
-        unit.handle = unit.gather()
-    if fsdp.prefetch and following is not None:
-        following.handle = following.gather()
-    unit.wait()
+def _checked_finish(reference):
+    """The reference finish_grad_sync, after checking the dtypes the other tasks left: fp32
+    master shards, and gradients reduce-scattered in fp32."""
+    def finish_grad_sync(fsdp):
+        for unit in fsdp.all_units:
+            if unit.shard.dtype != torch.float32:
+                raise AssertionError(
+                    f"unit {unit.name}'s shard is {unit.shard.dtype}: the shards are the fp32 "
+                    "master weights the optimizer steps; cast a copy for compute, never the "
+                    "shard itself")
+            if unit.grad_shard is not None and unit.grad_shard.dtype != torch.float32:
+                raise AssertionError(
+                    f"unit {unit.name}: reduce_scatter() left grad_shard in "
+                    f"{unit.grad_shard.dtype}: reduce the gradients in fp32, whatever the "
+                    "compute dtype")
+        return reference(fsdp)
+    return finish_grad_sync
 
 
-def ref_pre_forward(fsdp, unit):
-    i = unit.index
-    _gather_with_prefetch(fsdp, unit, fsdp.units[i + 1] if i + 1 < len(fsdp.units) else None)
-    unit.use()
+CHECKED = {"09.5": _checked_reduce_scatter, "09.11": _checked_finish}
 
 
-def ref_post_forward(fsdp, unit, output):
-    unit.free()
-    if torch.is_grad_enabled() and output.requires_grad:
-        output.register_hook(lambda grad: fsdp._pre_backward(unit))
+def reference(task: str):
+    fn = refs.reference(LESSON, task)
+    return CHECKED[task](fn) if task in CHECKED else fn
 
 
-def ref_pre_backward(fsdp, unit):
-    i = unit.index
-    _gather_with_prefetch(fsdp, unit, fsdp.units[i - 1] if i > 0 else None)
-
-
-def ref_post_backward(fsdp, unit):
-    unit.grad_handle = unit.reduce_scatter()
-    unit.free()
-
-
-def ref_finish_grad_sync(fsdp):
-    missing = [unit.name for unit in fsdp.all_units if unit.grad_handle is None]
-    if missing:
-        raise AssertionError(f"no reduce-scatter was started for unit(s) {missing} by the end "
-                             "of backward: each unit's post-backward hook must start one")
-    for unit in fsdp.all_units:
-        unit.wait_grad()
-        if unit.shard.dtype != torch.float32:
-            raise AssertionError(
-                f"unit {unit.name}'s shard is {unit.shard.dtype}: the shards are the fp32 master "
-                "weights the optimizer steps; cast a copy for compute, never the shard itself")
-        if unit.grad_shard.dtype != torch.float32:
-            raise AssertionError(
-                f"unit {unit.name}: reduce_scatter() left grad_shard in {unit.grad_shard.dtype}:"
-                " reduce the gradients in fp32, whatever the compute dtype")
-        if unit.shard.grad is None:
-            unit.shard.grad = unit.grad_shard
-        else:
-            unit.shard.grad += unit.grad_shard
-        unit.grad_shard = None
-
-
-def ref_gather_full_params(fsdp):
-    out = {}
-    for unit in fsdp.all_units:
-        flat = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
-        dist.all_gather_into_tensor(flat, unit.shard.detach(), group=fsdp.group)
-        offset = 0
-        for name, n, shape in zip(unit.names, unit.numels, unit.shapes):
-            out[name] = flat[offset:offset + n].view(shape).clone()
-            offset += n
-    return {name: out[name] for name in fsdp.param_names}
-
-
-# task -> (class name, or None for the module, attribute, reference)
-REFERENCES = {
-    "09.1": (None, "shard_flat", ref_shard_flat),
-    "09.2": ("Unit", "gather", ref_gather),
-    "09.3": ("Unit", "use", ref_use),
-    "09.4": ("Unit", "free", ref_free),
-    "09.5": ("Unit", "reduce_scatter", ref_reduce_scatter),
-    "09.6": ("FSDP", "_register_hooks", ref_register_hooks),
-    "09.7": ("FSDP", "_pre_forward", ref_pre_forward),
-    "09.8": ("FSDP", "_post_forward", ref_post_forward),
-    "09.9": ("FSDP", "_pre_backward", ref_pre_backward),
-    "09.10": ("FSDP", "_post_backward", ref_post_backward),
-    "09.11": ("FSDP", "finish_grad_sync", ref_finish_grad_sync),
-    "09.12": ("FSDP", "gather_full_params", ref_gather_full_params),
-}
-TASKS = tuple(REFERENCES)
-
-
-def _put(fbh, task, fn, originals):
-    owner_name, attr, _ = REFERENCES[task]
-    owner = fbh if owner_name is None else getattr(fbh, owner_name)
+def _put(task, fn, originals):
+    (stem, dotted), = refs.places(LESSON, task)
+    owner, attr = refs.owner(LESSON, stem, dotted)
     if (owner, attr) not in originals:
         originals[(owner, attr)] = getattr(owner, attr)
     setattr(owner, attr, fn)
 
 
-def use_references(fbh, keep=(), originals=None) -> dict:
+def use_references(keep=(), originals=None) -> dict:
     """From now on in this rank process, every task not in ``keep`` runs its reference (which
     :func:`recorded` logs as it logs the lesson's own). Returns what was replaced."""
     originals = {} if originals is None else originals
-    for task, (_, _, ref) in REFERENCES.items():
+    for task in TASKS:
         if task not in keep:
-            _put(fbh, task, ref, originals)
+            _put(task, reference(task), originals)
     return originals
 
 
@@ -238,8 +148,7 @@ def fake_gather(unit):
 
 
 def fake_reduce_scatter(unit):
-    if unit.full.grad is None:
-        return ref_reduce_scatter(unit)  # raises, saying why
+    _no_gradient_yet(unit)
     unit.grad_full = unit.full.grad.float()
     unit.grad_shard = torch.zeros(unit.shard.shape, dtype=torch.float32)
     return Done()
@@ -273,10 +182,10 @@ def check_each_unit_gathered_once(fsdp) -> None:
 def collective_order(fbh, keep, compute_dtype) -> list[tuple[str, str, str]]:
     """One step of FSDP with fake collectives: (kind, unit, phase) of each collective, in the
     order this rank issued them."""
-    originals = use_references(fbh, keep)
+    originals = use_references(keep)
     try:
-        _put(fbh, "09.2", fake_gather, originals)
-        _put(fbh, "09.5", fake_reduce_scatter, originals)
+        _put("09.2", fake_gather, originals)
+        _put("09.5", fake_reduce_scatter, originals)
         torch.manual_seed(0)
         fsdp = fbh.FSDP(TinyTransformer(**MODEL), compute_dtype=compute_dtype)
         add_probes(fsdp, {})
@@ -441,7 +350,7 @@ def scenario(rank: int, world_size: int, keep=(), dtypes=(None,), steps: int = 3
         orders.append(gathered)
         if any(o != gathered[0] for o in gathered):
             return {"rank": rank, "orders": orders, "mismatch": True}
-    use_references(fbh, keep)
+    use_references(keep)
     out = {"rank": rank, "orders": orders, "mismatch": False, "runs": {}}
     for dtype in dtypes:
         torch.manual_seed(0)

@@ -18,6 +18,7 @@ import torch
 
 from dpt.models import TinyTransformer
 from dpt.ranks import RankFailure, run_distributed
+from tests import references as refs
 from tests.helpers import one_line_error, run_script
 from tests.l09_fsdp import rank_fns_fsdp as rf
 from tests.lessons import load, script
@@ -557,8 +558,9 @@ def test_the_lesson_s_methods_are_recorded_from_outside(fbh):
     """schedule.py records an FSDP object by wrapping it (schedule.record), so the methods of
     fsdp_by_hand's classes stay as written, with no recording wrapper: the tests' references
     put in their place and the student's code are recorded alike."""
-    for task, (owner, attr, _) in rf.REFERENCES.items():
-        method = getattr(fbh if owner is None else getattr(fbh, owner), attr)
-        assert not hasattr(method, "__wrapped__"), (
-            f"{owner}.{attr} (task {task}) is wrapped in fsdp_by_hand.py: recording belongs "
-            "to schedule.record, which wraps an FSDP object from outside")
+    for task in rf.TASKS:
+        for stem, dotted in refs.places(LESSON, task):
+            owner, attr = refs.owner(LESSON, stem, dotted)
+            assert not hasattr(getattr(owner, attr), "__wrapped__"), (
+                f"{dotted} (task {task}) is wrapped in fsdp_by_hand.py: recording belongs "
+                "to schedule.record, which wraps an FSDP object from outside")

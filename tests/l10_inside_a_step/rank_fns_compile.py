@@ -1,10 +1,10 @@
 """Rank functions for the tests of lesson 10's compile_ddp.py (run by run_distributed).
 
 Each task is graded on its own: every experiment runs the lesson's given code
-(``measure_split``, ``compare_losses``) with the student's code for one task and the test's
-own answer, below, for the other two. A part that raises comes back as ``{"error": ...}``,
-the stub's "Task 10.K" line first when the error holds one (dynamo wraps a backend's error in
-its own, and DDP a comm hook's).
+(``measure_split``, ``compare_losses``) with the student's code for one task and the
+solution's (generated references, :func:`references`) for the other two. A part that raises
+comes back as ``{"error": ...}``, the stub's "Task 10.K" line first when the error holds one
+(dynamo wraps a backend's error in its own, and DDP a comm hook's).
 
 The experiments use the "count" backend (each graph runs as captured, autograd stays eager)
 where the graphs are compared with DDP's buckets: DDP rebuilds its buckets in the order the
@@ -14,9 +14,8 @@ gradients arrived at step 0, and only eager autograd gives that order layer by l
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests import references as refs
 from tests.helpers import rank_part
 from tests.lessons import load
 
@@ -25,9 +24,12 @@ CAPS = (None, 1, 2)  # MiB; None is DDP's default (25 MiB, first bucket 1 MiB)
 STEPS = 3
 
 
-# --- the test's own answer to each task ----------------------------------------------------
+# --- the other tasks' answers: the solution's code (tests/l10_inside_a_step/_references.py) ---
 
 class RefRecorder:
+    """GraphRecorder's given parts, kept here: the expected split must not be read through the
+    student's copy of them. ``__call__`` (10.5) is the solution's, from :func:`references`."""
+
     def __init__(self, model, backend=None):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.order = list(self.names.values())
@@ -35,35 +37,17 @@ class RefRecorder:
             torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend)
         self.graphs = []
 
-    def __call__(self, gm, example_inputs):
-        entry = {"ops": len([n for n in gm.graph.nodes
-                             if n.op in ("call_function", "call_method", "call_module")]),
-                 "params": {self.names[id(p)] for p in gm.parameters() if id(p) in self.names}}
-        self.graphs.append(entry)
-        compiled = gm.forward if self.inner is None else self.inner(gm, example_inputs)
-
-        def run(*args):
-            for a in args:
-                if id(a) in self.names:
-                    entry["params"].add(self.names[id(a)])
-            return compiled(*args)
-
-        return run
-
     def split(self):
         return [[n for n in self.order if n in g["params"]] for g in self.graphs]
 
 
 class RefBuckets:
+    """BucketRecorder's given parts, kept here (a planted bug breaks the student's
+    ``buckets``); ``hook`` (10.6) is the solution's, from :func:`references`."""
+
     def __init__(self, model):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.steps = []
-
-    def hook(self, state, bucket):
-        if bucket.index() == 0:
-            self.steps.append({})
-        self.steps[-1][bucket.index()] = [self.names[id(p)] for p in bucket.parameters()]
-        return allreduce_hook(state, bucket)
 
     @property
     def buckets(self):
@@ -71,8 +55,12 @@ class RefBuckets:
         return [last[i] for i in sorted(last)]
 
 
-def ref_build(model, bucket_cap_mb=None, backend="inductor"):
-    return DDP(torch.compile(model, backend=backend), bucket_cap_mb=bucket_cap_mb)
+def references(cd):
+    """The recorder, the bucket recorder and the builder with the solution's code for 10.5,
+    10.6 and 10.7, its names looked up in the lesson's module ``cd``."""
+    recorder = type("RefRecorder", (RefRecorder,), {"__call__": refs.reference(LESSON, "10.5")})
+    buckets = type("RefBuckets", (RefBuckets,), {"hook": refs.reference(LESSON, "10.6")})
+    return recorder, buckets, refs.reference(LESSON, "10.7")
 
 
 # --- the checks ---------------------------------------------------------------------------
@@ -93,6 +81,7 @@ class Spy:
 
 def _through_spy(cd):
     spy = Spy()
+    _, RefBuckets, ref_build = references(cd)
     r = cd.measure_split(None, spy, steps=2, recorder=cd.GraphRecorder, hook=RefBuckets,
                          build=ref_build)
     return {"spy_calls": spy.calls, "graphs": len(r["graphs"]), "losses": r["losses"]}
@@ -113,6 +102,7 @@ def _structure(cd, cap):
 
 def compile_checks(rank, world_size, caps=CAPS, steps=STEPS):
     cd = load(LESSON, "compile_ddp")
+    RefRecorder, RefBuckets, ref_build = references(cd)
     out = {"ref": {}, "graphs": {}, "buckets": {}, "build": {}}
     for cap in caps:
         out["ref"][cap] = cd.measure_split(cap, None, steps, recorder=RefRecorder,

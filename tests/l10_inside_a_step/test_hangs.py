@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers import run_script
-from tests.lessons import REPO, load, script
+from tests.lessons import load, script
 
 LESSON = "10_inside_a_step"
 BROKEN_TIMEOUT, FIXED_TIMEOUT = 3.0, 10.0
@@ -224,11 +224,12 @@ def late_init(*args, **kwargs):  # rank 1 is still joining when rank 0 has faile
 dist.init_process_group = late_init
 """
 RUN_FAKE = """
-import sys
-sys.path[:0] = [{lesson!r}, {repo!r}]
-import fake_cases
-import hang_runner
 from pathlib import Path
+
+from dpt.lessons import load
+
+fake_cases = load({lesson!r}, "fake_cases", {tree!r})
+hang_runner = load({lesson!r}, "hang_runner", {tree!r})
 
 if __name__ == "__main__":
     try:
@@ -252,12 +253,12 @@ def test_runner_reports_every_rank_when_one_fails_first(tmp_path):
     and when a peer dies after rank 0 returned, the report must still carry rank 0's error,
     and a stub must still name its task (`make grade` reads the task from it). The runner runs
     the cases it is given: here a module of fake ones, beside a copy of the runner alone."""
-    lesson = tmp_path / "lesson"
+    lesson = tmp_path / LESSON  # a lesson tree of two files: the runner and the fake cases
     lesson.mkdir()
     paths = {k: str(tmp_path / k) for k in ("mark", "late", "seen")}
     shutil.copy(script(LESSON, "hang_runner.py"), lesson / "hang_runner.py")
     (lesson / "fake_cases.py").write_text(FAKE_CLINIC.format(**paths))
-    (tmp_path / "run.py").write_text(RUN_FAKE.format(lesson=str(lesson), repo=str(REPO),
+    (tmp_path / "run.py").write_text(RUN_FAKE.format(lesson=LESSON, tree=str(tmp_path),
                                                      **paths))
     proc = run_script(tmp_path / "run.py", timeout=80)
     assert proc.returncode == 0, proc.stderr

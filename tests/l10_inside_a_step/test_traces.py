@@ -4,7 +4,7 @@ Most tests feed hand-built traces, in the profiler's own format, whose answers a
 exactly: a CPU step with gloo (collectives launched on the main thread, run on gloo's worker
 threads, two of them at once) and a GPU step with NCCL (kernels matched to their launches by
 ``args["correlation"]``). Each task is graded on its own: a test of one task gives the module
-the test's reference for the other tasks' functions.
+the solution's functions for the other tasks (generated from solutions/, tests/references.py).
 
 One run traces every method of the course for real, on 2 ranks (gloo on the CPU, NCCL on a
 machine with 2 GPUs), with a tiny model. Nothing here measures speed: on real traces the tests
@@ -20,6 +20,7 @@ import random
 import pytest
 
 from dpt.ranks import RankFailure
+from tests import references as refs
 from tests.lessons import load
 
 LESSON = "10_inside_a_step"
@@ -31,59 +32,17 @@ def tr():
     return load(LESSON, "traces")
 
 
-# --- the test's own references for each task ---------------------------------------------------
+# --- the references: the solution's own functions (tests/l10_inside_a_step/_references.py) ---
 
-def ref_read(tr, path):
-    data = json.loads(open(path).read())
-    raw = data["traceEvents"] if isinstance(data, dict) else data
-    xs = [e for e in raw if e.get("ph") == "X"]
-    t0 = min(e["ts"] for e in xs)
-    evs = [tr.Event(e["name"], e.get("cat", ""), e.get("pid", 0), e.get("tid", 0),
-                    (e["ts"] - t0) / 1e3, (e["ts"] - t0 + e.get("dur", 0)) / 1e3,
-                    e.get("args") or {}) for e in xs]
-    return sorted(evs, key=lambda e: e.start)
-
-
-def ref_comm(events):
-    return [(e.start, e.end) for e in events
-            if e.name.startswith("gloo:") or (e.cat == "kernel" and "nccl" in e.name.lower())]
-
-
-def ref_compute(events, phase="backward"):
-    spans = [e for e in events if e.cat == "user_annotation" and e.name == phase]
-    if not any(e.cat == "kernel" for e in events):
-        return [(e.start, e.end) for e in events if e.cat == "cpu_op" and any(
-            e.tid == s.tid and s.start <= e.start and e.end <= s.end for s in spans)]
-    launch = {e.args["correlation"]: e.start for e in events
-              if e.cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.args}
-    return [(e.start, e.end) for e in events if e.cat == "kernel" and "nccl" not in e.name.lower()
-            and any(s.start <= launch.get(e.args.get("correlation"), -1.0) <= s.end
-                    for s in spans)]
-
-
-def ref_merge(intervals):
-    out = []
-    for s, e in sorted(i for i in intervals if i[1] > i[0]):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def ref_overlap(a, b):
-    return sum(max(0.0, min(e1, e2) - max(s1, s2))
-               for s1, e1 in ref_merge(a) for s2, e2 in ref_merge(b))
+def solution(name: str):
+    """The solution's traces.``name``, its names (``Event``, a helper, another task's function)
+    looked up in the lesson's module under test."""
+    return refs.bound(LESSON, "traces", name)
 
 
 def use_references(tr, monkeypatch, keep: str):
-    """Every task's functions but ``keep``'s are the test's references."""
-    refs = {"10.2": {"comm_intervals": ref_comm, "compute_intervals": ref_compute},
-            "10.3": {"merge": ref_merge, "overlap": ref_overlap}}
-    for task, fns in refs.items():
-        if task != keep:
-            for name, fn in fns.items():
-                monkeypatch.setattr(tr, name, fn)
+    """Every task's functions but ``keep``'s (10.2 and 10.3) are the solution's."""
+    refs.put(LESSON, [t for t in ("10.2", "10.3") if t != keep], monkeypatch.setattr)
 
 
 # --- hand-built traces ---------------------------------------------------------------------------
@@ -177,7 +136,7 @@ def pairs(intervals):
 
 
 def events_of(tr, tmp_path, raw):
-    return ref_read(tr, write(tmp_path, raw))
+    return solution("read_trace")(write(tmp_path, raw))
 
 
 # --- 10.1 read_trace -----------------------------------------------------------------------------
@@ -410,7 +369,7 @@ def traced(tmp_path_factory):
 
 def method_events(tr, traced, method, rank=0):
     """The test's own reading of ``method``'s trace; raises a lesson's pending task."""
-    return ref_read(tr, tr.result_of(traced[0], method)[rank]["path"])
+    return solution("read_trace")(tr.result_of(traced[0], method)[rank]["path"])
 
 
 @pytest.mark.timeout(150)
@@ -418,10 +377,11 @@ def method_events(tr, traced, method, rank=0):
 def test_a_trace_per_method_and_rank_with_its_collectives(tr, traced, method):
     for rank, result in enumerate(tr.result_of(traced[0], method)):
         assert result["path"].endswith(f"{method}.rank{rank}.json")
-        events = ref_read(tr, result["path"])
+        events = solution("read_trace")(result["path"])
         names = {e.name for e in events if e.cat == "user_annotation"}
         assert set(tr.PHASES) <= names, f"rank {rank}'s trace lacks a phase label: {names}"
-        assert ref_comm(events), f"no collective in {method}'s trace on rank {rank}"
+        assert solution("comm_intervals")(events), (
+            f"no collective in {method}'s trace on rank {rank}")
         assert result["step_ms"] > 0
 
 
@@ -448,7 +408,7 @@ def test_collectives_are_launched_inside_backward_or_not(tr, traced, method, ins
 @pytest.mark.task("10.1")
 def test_read_trace_reads_the_real_traces(tr, traced):
     path = tr.result_of(traced[0], "torch_ddp")[0]["path"]
-    got, want = tr.read_trace(path), ref_read(tr, path)
+    got, want = tr.read_trace(path), solution("read_trace")(path)
     assert len(got) == len(want), f"{len(got)} events read, the trace has {len(want)} complete"
     assert sorted((e.name, round(e.start, 6)) for e in got) == sorted(
         (e.name, round(e.start, 6)) for e in want)
@@ -459,9 +419,10 @@ def test_read_trace_reads_the_real_traces(tr, traced):
 def test_real_traces_have_comm_and_backward_compute(tr, traced):
     events = method_events(tr, traced, "torch_ddp")
     comm, compute = tr.comm_intervals(events), tr.compute_intervals(events)
-    assert pairs(comm) == pairs(ref_comm(events)), (
+    assert pairs(comm) == pairs(solution("comm_intervals")(events)), (
         "comm_intervals of a real trace: every collective's execution, no launch")
-    assert pairs(compute) == pairs(ref_compute(events)), "compute_intervals of a real trace"
+    assert pairs(compute) == pairs(solution("compute_intervals")(events)), (
+        "compute_intervals of a real trace")
 
 
 @pytest.mark.timeout(150)
@@ -472,7 +433,7 @@ def test_hidden_fraction_of_real_traces(tr, traced, monkeypatch, method):
     if isinstance(result, str):  # a lesson 05 or 09 task is not done: nothing to measure
         pytest.skip(f"{method} was not traced: {result} (an earlier lesson's task: lesson 10 "
                     "traces your code of lessons 05 and 09, see its README's Needs)")
-    events = ref_read(tr, result["path"])
+    events = solution("read_trace")(result["path"])
     use_references(tr, monkeypatch, keep="10.4")
     got = tr.hidden_fraction(events)
     assert 0 < got["comm_ms"] and 0 <= got["hidden_ms"] <= got["comm_ms"] + 1e-9, got
@@ -524,19 +485,9 @@ def test_the_script_says_in_one_line_why_it_draws_no_timeline(tr, monkeypatch, c
 
 # --- the communication as it ran, in each mode the course runs (given code) -------------------
 
-def ref_hidden(events, phase="backward"):
-    comm = ref_comm(events)
-    comm_ms = sum(e - s for s, e in ref_merge(comm))
-    hidden_ms = ref_overlap(comm, ref_compute(events, phase))
-    return {"comm_ms": comm_ms, "hidden_ms": hidden_ms,
-            "fraction": hidden_ms / comm_ms if comm_ms > 0 else None}
-
-
 def all_references(tr, monkeypatch):
     """Every task's function is the test's reference: what is checked is the given code."""
-    use_references(tr, monkeypatch, keep="none")
-    monkeypatch.setattr(tr, "read_trace", lambda path: ref_read(tr, path))
-    monkeypatch.setattr(tr, "hidden_fraction", ref_hidden)
+    refs.put(LESSON, ("10.1", "10.2", "10.3", "10.4"), monkeypatch.setattr)
 
 
 def memcpy(name, corr, ts, dur, stream=30):
@@ -637,15 +588,16 @@ def test_on_a_shared_gpu_gloo_s_spans_start_when_their_input_reached_the_host(tr
                                                                             monkeypatch):
     all_references(tr, monkeypatch)
     raw = events_of(tr, tmp_path, SHARED_NAIVE)
-    assert ref_hidden(raw)["hidden_ms"] > 1, "the trace shows the trap: raw spans look hidden"
+    assert solution("hidden_fraction")(raw)["hidden_ms"] > 1, (
+        "the trace shows the trap: raw spans look hidden")
     ran = tr.as_run(raw)
-    assert pairs(ref_comm(ran)) == pairs(SHARED_NAIVE_COMM)
+    assert pairs(solution("comm_intervals")(ran)) == pairs(SHARED_NAIVE_COMM)
     assert len(ran) == len(raw) and tr.as_run(events_of(tr, tmp_path, CPU_STEP)) is not None
     overlap = tr.as_run(events_of(tr, tmp_path, SHARED_OVERLAP))
-    assert pairs(ref_comm(overlap)) == [(2.85, 3.2)], (
+    assert pairs(solution("comm_intervals")(overlap)) == [(2.85, 3.2)], (
         "a span starts when the work queued BEFORE its collective is done (its copy to the "
         "host included), not after kernels the backward queued later")
-    assert ref_hidden(overlap)["fraction"] == pytest.approx(1.0)
+    assert solution("hidden_fraction")(overlap)["fraction"] == pytest.approx(1.0)
     for trace in (CPU_STEP, GPU_STEP):  # gloo on the CPU and NCCL: the trace as it is
         events = events_of(tr, tmp_path, trace)
         assert tr.as_run(events) == events

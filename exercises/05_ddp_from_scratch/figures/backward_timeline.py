@@ -18,8 +18,7 @@ among several, yet a busy machine can still reverse an order the lesson explains
 
 from __future__ import annotations
 
-__import__("importlib.util").util.find_spec("dpt") or __import__("sys").exit(
-    "error: this python lacks the course's packages; use .venv/bin/python (`make setup`)")
+import dpt  # noqa: F401  # isort: skip (first: without torch it stops here, in one line)
 
 import json
 import sys
@@ -36,12 +35,10 @@ def measure(batch: int = 64, bucket_cap_mb: float = 9.0, steps: int = 7,
             timeout: float = 300) -> dict:
     """Run ``scratch_demo.timeline_rank`` on 2 CPU ranks (gloo) and return what each saw:
     ``steps`` recorded steps per wrapper, taken in turns, the one of median length kept."""
-    lesson = str(HERE.parent)
-    if lesson not in sys.path:  # rank processes import scratch_demo by name
-        sys.path.insert(0, lesson)
-    import scratch_demo
-
+    from dpt.lessons import load
     from dpt.ranks import run_distributed
+
+    scratch_demo = load("05_ddp_from_scratch", "scratch_demo", __file__)  # this lesson's
 
     ranks = run_distributed(scratch_demo.timeline_rank, world_size=2, backend="gloo",
                             kwargs={"batch": batch, "bucket_cap_mb": bucket_cap_mb,
