@@ -10,7 +10,6 @@
 
 # %%
 import json
-import sys
 from pathlib import Path
 
 from dpt.notebook import use_lesson
@@ -18,7 +17,6 @@ from dpt.notebook import use_lesson
 use_lesson("11_benchmarks")
 from dpt.data import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT))
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 

@@ -89,11 +89,10 @@ def test_a_lesson_file_checks_no_venv_itself(path):
         "is the check (dpt/__init__.py says which python to use)")
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=_rel)
+@pytest.mark.parametrize("path", LESSON_FILES, ids=_rel)  # notebooks' sources too
 def test_a_lesson_file_edits_no_sys_path(path):
     tree = ast.parse(path.read_text())
-    edits = sorted({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                    and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"})
+    edits = sorted({n.lineno for n in ast.walk(tree) if _is_sys_path(n)})
     assert not edits, (
         f"{_rel(path)} uses sys.path (line {', '.join(map(str, edits))}): a script's siblings "
         "import by name as they are; an earlier lesson's module comes from "
