@@ -67,9 +67,10 @@ test: setup site-setup data-for-tests
 
 # Every command of the lesson READMEs' "How to run", as written, in a fresh copy per lesson;
 # `# long:`, `# GPU:`, `# cluster:`, `# by hand:` commands are skipped, saying why
-# (docs/maintainers.md). Not part of `make test` (marker readme).
+# (docs/maintainers.md); and the lesson tests of a README figure too long for `make test`.
+# Not part of `make test` (marker readme).
 check-readme: setup data-for-tests
-	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:randomly -m readme tests/harness/test_readme_commands.py $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadscope -p no:randomly -m readme tests/harness/test_readme_commands.py tests/l01_single_device $(PYTEST_ARGS)
 
 # The course's tools run whole, each as its user runs it: the class grader's sandboxes, grading
 # the untouched stub tree (with and without data), the benchmark harness's runs, the notebooks

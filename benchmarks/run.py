@@ -17,6 +17,13 @@ method that fails or hangs is recorded with its error and the sweep goes on. On 
 rank runs pinned to a core of its own (``dpt.dist.pin_rank``; ``--no-pin`` leaves it to the
 OS), and each round's ranks fork from a new server, so each round samples a new memory layout.
 
+Throughput is not the whole story: N ranks at a fixed per-rank batch train on an N times larger
+global batch, which may need more samples to reach the same accuracy. After the throughput
+rounds, a full run trains N = 1 and the largest N to a target test accuracy in rounds of their
+own (``benchmarks/time_to_accuracy.py``; ``--no-tta`` skips it, ``--tta-target`` sets it) and
+sets the time-to-target speedup beside the throughput speedup, with an MLPerf-style check of
+the epochs the larger batch needed.
+
 Results go to ``benchmarks/runs/<stamp>/`` (git-ignored): ``results.json``, ``results.csv``,
 ``summary.md`` and the PNG plots; ``benchmarks/runs/latest`` points at the last run with at
 least one successful measurement. The committed reference results of a 2-core CPU are in
@@ -72,6 +79,7 @@ from benchmarks.costmodel import (
     fit_ring,
 )
 from benchmarks.registry import BenchContext, load_all
+from benchmarks.time_to_accuracy import TTAConfig
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"  # git-ignored: every run gets RUNS/<stamp>/, and RUNS/latest points at it
@@ -82,6 +90,8 @@ RATIO_PAIRS = [("single", "single_dataloader"), ("ddp_naive", "ddp_spawn"),
                ("ddp_overlap", "ddp_spawn"), ("ddp_bucketed", "ddp_spawn"),
                ("ddp_torchrun", "ddp_spawn"), ("lightning_ddp", "ddp_spawn"),
                ("amp_bf16", "ddp_spawn"), ("amp_fp16", "ddp_spawn"),
+               # synchronised batch norm: one more all-reduce per batch norm per forward
+               ("ddp_syncbn_by_hand", "ddp_spawn"), ("ddp_syncbn", "ddp_spawn"),
                # DDP against ranks that never communicate, at the same N: what communication
                # and waiting for each other cost, whatever ceiling the machine gave that run
                ("ddp_spawn", "independent")]
@@ -115,6 +125,13 @@ class Config:
     # --quick on GPUs sets QUICK_GPU_BUDGET_S and plans its rounds to fit (plan_run)
     time_budget_s: float | None = None
     sweep_batches: list[int] = field(default_factory=lambda: [32, 128, 512])
+    # Time to accuracy (benchmarks/time_to_accuracy.py): N = 1 and the largest N trained to
+    # a test accuracy, in rounds of their own after the throughput rounds (--no-tta: none)
+    tta: bool = False
+    tta_target: float = TTAConfig.target
+    tta_rounds: int = 5
+    tta_margin: float = TTAConfig.margin  # the epochs check's allowance over N = 1
+    tta_max_epochs: float = TTAConfig.max_epochs
     allreduce_sizes: list[int] = field(default_factory=lambda: [2**k for k in range(12, 25, 2)])
 
 
@@ -779,6 +796,11 @@ def summary_markdown(result: dict) -> str:
         for q in result["ratios"]:
             lines.append(f"| {q['a']} over {q['b']} | {q['nprocs']} | "
                          f"{fmt_ci(q['value'], q['lo'], q['hi'])} |")
+    tta = result.get("time_to_accuracy")
+    if tta:
+        from benchmarks.time_to_accuracy import tta_markdown
+
+        lines += tta_markdown(tta)
     cm = result.get("cost_model")
     if cm:
         lines += ["", cost_model_text(cm)]
@@ -794,6 +816,10 @@ def summary_markdown(result: dict) -> str:
     if verdict:
         lines += ["", "## Can these numbers be trusted?", ""]
         lines += [f"- {msg}" for msg in verdict["messages"]]
+        if tta:
+            from benchmarks.time_to_accuracy import epochs_check_line
+
+            lines.append(f"- {epochs_check_line(tta.get('epochs_check'))}")
         lines += [f"- Note, {r['method']} N={r['nprocs']}, {note}" for r in result["records"]
                   for note in r.get("notes", [])]
         loads = [r["load"] for r in result["records"] if r.get("load")]
@@ -865,7 +891,8 @@ def _grouped_bars(ax, recs, methods, styles, key: str, ideal, ylabel: str) -> No
 
 
 def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list[Path]:
-    """speedup, efficiency, step split, throughput, memory, cost model, batch sweep PNGs
+    """speedup, efficiency, step split, throughput, memory, cost model, batch sweep and
+    time-to-accuracy PNGs
     (and scaling lines over N when the run went beyond N = 2). Returns the paths."""
     import matplotlib.pyplot as plt
 
@@ -1019,6 +1046,12 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
                      fontsize=9)
         ax.legend(fontsize=8)
         save(fig, "batch_sweep.png", marked="labels ending in 'busy'")
+    tta = result.get("time_to_accuracy")
+    if tta and any(r.get("seconds") is not None for r in tta["by_n"]):
+        from benchmarks.time_to_accuracy import plot as plot_tta
+
+        paths.append(out / "time_to_accuracy.png")
+        plot_tta(tta, paths[-1], label)
     return paths
 
 
@@ -1069,6 +1102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not add the `independent` control to a --methods subset")
     p.add_argument("--no-sweep", action="store_true", help="skip the per-rank batch sweep")
     p.add_argument("--sweep-method", default="ddp_spawn")
+    p.add_argument("--no-tta", action="store_true",
+                   help="skip time to accuracy (N = 1 and the largest N trained to a target "
+                        "test accuracy after the throughput rounds)")
+    p.add_argument("--tta-target", type=float, default=None, metavar="ACCURACY",
+                   help=f"time to accuracy's target, between 0 and 1 (default "
+                        f"{TTAConfig.target:g}); with --methods it also turns it on")
     p.add_argument("--project-bandwidth", type=float, action="append", default=[],
                    help="GB/s of a target interconnect to project onto (repeatable)")
     p.add_argument("--project", action="append", default=[], choices=sorted(INTERCONNECTS),
@@ -1167,12 +1206,15 @@ class Plan:
     planned_s: float  # the launches' planned length, curve included
     per_round_s: float
     placement: tuple[str, str]  # (backend, device type) at the largest N
+    tta_ns: list[int] = field(default_factory=list)  # time to accuracy's N values, or none
 
     def text(self) -> str:
         launches = sum(r["status"] == "ok" for r in self.records)
         budget = self.cfg.time_budget_s
         return (f"plan: {launches} launch(es) a round x {self.cfg.rounds} round(s)"
                 + (" + the all-reduce curve" if max(self.ns) > 1 else "")
+                + (f" + {len(self.tta_ns)} time-to-accuracy launch(es) a round"
+                   if self.tta_ns else "")
                 + f", planned {'at most' if budget else 'about'} {self.planned_s / 60:.1f} min"
                 + (f" (budget {budget / 60:.1f} min: launches stop when it is spent)"
                    if budget else ""))
@@ -1200,6 +1242,14 @@ def plan_run(args: argparse.Namespace, methods) -> Plan:
     placement = rank_placement(max(ns))
     on_gpu = placement[1] == "cuda"
     sweep = not args.no_sweep and not args.methods and max(ns) > 1
+    # Time to accuracy: in a full run, or a --methods subset that asks for it with a target
+    cfg.tta = (not args.no_tta and max(ns) > 1
+               and (not args.methods or args.tta_target is not None))
+    if args.tta_target is not None:
+        if not 0 < args.tta_target < 1:
+            raise UsageError(f"--tta-target is a test accuracy between 0 and 1, got "
+                             f"{args.tta_target:g}")
+        cfg.tta_target = args.tta_target
     if args.quick:
         cfg.warmup, cfg.steps, cfg.repeats, cfg.rounds, cfg.timeout = 2, 4, 1, 3, 180.0
         cfg.repeat_budget_s = 1.5
@@ -1232,6 +1282,7 @@ def plan_run(args: argparse.Namespace, methods) -> Plan:
         if not 0 < args.control_floor <= 1:
             raise UsageError("--control-floor is an efficiency between 0 and 1")
         cfg.control_floor = args.control_floor
+    cfg.tta_rounds = cfg.rounds
     if max(ns) > 1 and CONTROL not in names and not args.no_control and CONTROL in methods:
         names.insert(0, CONTROL)  # the control runs in the same rounds as everything else
 
@@ -1251,13 +1302,28 @@ def plan_run(args: argparse.Namespace, methods) -> Plan:
             groups.append((group, replace(cfg, batch_size=b)))
     per_round = sum(launch_estimate_s(methods[r["method"]].launcher, gcfg)
                     for group, gcfg in groups for r in group if r["status"] == "ok")
+    tta_ns = sorted({1, max(ns)}) if cfg.tta else []
+    per_round += len(tta_ns) * tta_estimate_s(cfg)
     curve = CURVE_S if max(ns) > 1 else 0.0
     if args.quick and on_gpu and args.rounds is None and cfg.time_budget_s and per_round:
         cfg.rounds = max(1, min(cfg.rounds, int((cfg.time_budget_s - curve) // per_round)))
+        cfg.tta_rounds = cfg.rounds
     for i, (group, gcfg) in enumerate(groups):  # the sweep's copies take the final rounds
         groups[i] = (group, replace(gcfg, rounds=cfg.rounds, time_budget_s=cfg.time_budget_s))
     return Plan(cfg, names, ns, groups, records, curve + per_round * cfg.rounds, per_round,
-                placement)
+                placement, tta_ns)
+
+
+def tta_config(cfg: Config) -> TTAConfig:
+    """Time to accuracy's configuration, from the run's."""
+    return TTAConfig(target=cfg.tta_target, rounds=cfg.tta_rounds, margin=cfg.tta_margin,
+                     max_epochs=cfg.tta_max_epochs, timeout=cfg.timeout)
+
+
+def tta_estimate_s(cfg: Config) -> float:
+    from benchmarks.time_to_accuracy import estimate_s
+
+    return estimate_s(tta_config(cfg), LAUNCH_OVERHEAD_S["spawn"])
 
 
 def cost_model_of(curve: list, nmax: int, records: list[dict], cfg: Config,
@@ -1402,6 +1468,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(rec['rounds'])} of {cfg.rounds} rounds: the time budget of "
                 f"{cfg.time_budget_s:.0f} s was spent")
         finish_record(rec)
+    tta_runs = []
+    if plan.tta_ns:
+        from benchmarks.time_to_accuracy import run_rounds
+
+        tcfg = tta_config(cfg)
+        print(f"time to accuracy: N in {plan.tta_ns}, {tcfg.rounds} round(s), target "
+              f"{tcfg.target:g} test accuracy", flush=True)
+        tbar = tqdm(total=len(plan.tta_ns) * tcfg.rounds, unit="run", dynamic_ncols=True)
+        tta_runs = run_rounds(plan.tta_ns, tcfg, cfg.threads_per_rank, budget=budget, bar=tbar,
+                              say=tqdm.write, overhead_s=LAUNCH_OVERHEAD_S["spawn"],
+                              snapshot=snapshot, hz=_hz())
+        tbar.close()
     if budget.refused:
         print(f"the time budget ({cfg.time_budget_s:.0f} s) was spent: {budget.refused} "
               "launch(es) not run", file=sys.stderr)
@@ -1423,6 +1501,10 @@ def main(argv: list[str] | None = None) -> int:
     cm = cost_model_of(curve, max(ns), records, cfg, machine, args.interconnect, extra)
     if cm:
         result["cost_model"] = cm
+    if plan.tta_ns:
+        from benchmarks.time_to_accuracy import block_of
+
+        result["time_to_accuracy"] = block_of(tta_config(cfg), tta_runs, records)
 
     run_dir = args.out / stamp
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,41 @@ def run_script(path: Path | str, *args: str, timeout: float = 120, env: dict | N
                     f"stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
 
 
+_CASES: dict[tuple, list[subprocess.CompletedProcess]] = {}
+
+
+def run_script_cases(path: Path | str, cases: list[list[str]], timeout: float = 150,
+                     env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """:func:`run_script` once per argv of ``cases``, in one process (``tests.script_cases``):
+    torch and the script's imports load once, not once per case. Kept for this test process,
+    so the parametrized tests of one script's bad input share one run. Meant for cases that
+    stop at their first check; a case's output and exit status are its own."""
+    import json
+    import tempfile
+
+    key = (str(path), tuple(map(tuple, cases)), tuple(sorted((env or {}).items())))
+    if key not in _CASES:
+        full_env = dict(script_env(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                        TQDM_DISABLE="1", **(env or {}))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "results.json"
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "tests.script_cases", str(out)], capture_output=True,
+                    text=True, timeout=timeout, env=full_env, cwd=REPO,
+                    input=json.dumps({"script": str(path), "cases": [list(c) for c in cases]}))
+            except subprocess.TimeoutExpired as exc:
+                pytest.fail(f"{Path(path).name}: {len(cases)} cases did not finish in "
+                            f"{timeout}s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+            if not out.exists():
+                pytest.fail(f"tests.script_cases failed on {Path(path).name}:\n{proc.stderr}")
+            results = json.loads(out.read_text())
+        _CASES[key] = [subprocess.CompletedProcess([sys.executable, str(path), *c],
+                                                   r["returncode"], r["stdout"], r["stderr"])
+                       for c, r in zip(cases, results)]
+    return _CASES[key]
+
+
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
     """Assert the process failed with a clear one-line error and no traceback; return it."""
     assert proc.returncode != 0, f"expected a failure, got exit 0:\n{proc.stdout}"

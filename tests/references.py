@@ -18,7 +18,8 @@ from tests.lessons import load
 # lesson folder -> the package of its tests (where _references.py is)
 PACKAGES = {"05_ddp_from_scratch": "tests.l05_ddp_from_scratch",
             "09_fsdp": "tests.l09_fsdp",
-            "10_inside_a_step": "tests.l10_inside_a_step"}
+            "10_inside_a_step": "tests.l10_inside_a_step",
+            "11_time_to_accuracy": "tests.l11_time_to_accuracy"}
 
 
 def generated(lesson: str) -> types.ModuleType:

@@ -31,7 +31,9 @@ END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
 LESSONS = {"05_ddp_from_scratch": ("tests/l05_ddp_from_scratch",
                                    ("ddp_base", "naive_ddp", "overlap_ddp", "bucketed_ddp")),
            "09_fsdp": ("tests/l09_fsdp", ("fsdp_by_hand", "fsdp2_practice", "dcp_checkpoint")),
-           "10_inside_a_step": ("tests/l10_inside_a_step", ("traces", "compile_ddp"))}
+           "10_inside_a_step": ("tests/l10_inside_a_step", ("traces", "compile_ddp")),
+           "11_time_to_accuracy": ("tests/l11_time_to_accuracy",
+                                   ("global_batch", "sync_bn", "lr_scaling", "large_batch"))}
 NAME = "_references.py"
 
 

@@ -272,13 +272,25 @@ def items(n_gpus: int, cores: int, tmp: Path, capability: tuple[int, int] = (8, 
                   "powersgd"],
                  **common, estimate=25, timeout=300, env=dict(env),
                  expect=("bf16_by_hand", "powersgd")),
+            Item(f"l11-global-batch{name}", f"lesson 11: DDP with accumulation on {n} ranks "
+                 "against one process on the whole batch",
+                 [py, f"{S}/11_time_to_accuracy/global_batch.py", "--nproc", str(n), "--accum",
+                  "2", "--batch", str(16 * n)],
+                 **common, estimate=20, timeout=240, env=dict(env),
+                 expect=("the three ways take the same steps",)),
+            Item(f"l11-sharded-lamb{name}", f"lesson 11: LAMB on element shards, {n} ranks",
+                 [py, f"{S}/11_time_to_accuracy/large_batch.py", "--nproc", str(n)],
+                 **common, estimate=20, timeout=240, env=dict(env),
+                 expect=(r"largest weight difference \d\.\d+e-(?:0[89]|[1-9]\d)",)),
         ]
-        # 2+ ranks. Lesson 10 at the smallest N only, and its compiled DDP at 2 ranks only
-        # where they share the GPUs with other items (on 2 GPUs NCCL needs both, and the plan
-        # must fit the cap: l10-compile-1gpu compiles on one of them there)
-        out += [it for it in batch if (n > 1 or not it.name.startswith(("l05-ring", "l10-")))
-                and (n == min(ns) or not it.name.startswith("l10-"))
-                and not (it.name.startswith("l10-compile") and lane(n) == "exclusive")]
+        # 2+ ranks. Lessons 10 and 11 at the smallest N only; lesson 10's compiled DDP and
+        # lesson 11 at 2 ranks only where they share the GPUs with other items (on 2 GPUs
+        # NCCL needs both, and the plan must fit the cap: l10-compile-1gpu compiles on one of
+        # them there; lesson 11's NCCL path is then tests/gpu, in the suite item)
+        out += [it for it in batch
+                if (n > 1 or not it.name.startswith(("l05-ring", "l10-", "l11-")))
+                and (n == min(ns) or not it.name.startswith(("l10-", "l11-")))
+                and not (it.name.startswith(("l10-compile", "l11-")) and lane(n) == "exclusive")]
     for strategy in ("ddp", "ddp_spawn", "fsdp"):
         for n in [1] if shared else ns:  # one GPU: Lightning gets it alone
             out.append(Item(f"l07-{strategy}-n{n}",

@@ -87,6 +87,41 @@ def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
 @pytest.mark.tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_time_to_accuracy_trains_n_1_and_n_2_to_the_target_in_flipped_rounds(tmp_path):
+    from benchmarks.time_to_accuracy import VERDICTS
+
+    proc = _bench(tmp_path, "--methods", "ddp_spawn", "--nprocs", "1,2", "--tta-target", "0.5")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = _latest(tmp_path)
+    tta = result["time_to_accuracy"]
+    assert tta["config"]["target"] == 0.5
+    # round 1 launches N = 1 then N = 2, round 2 the other way round; seed = round
+    assert [(r["round"], r["nprocs"]) for r in tta["runs"]] == [(0, 1), (0, 2), (1, 2), (1, 1)]
+    for r in tta["runs"]:
+        assert r["status"] == "ok" and r["reached"], r
+        assert r["seed"] == r["round"] and r["global_batch"] == 64 * r["nprocs"]
+        assert r["final_accuracy"] >= 0.5 and r["seconds"] > 0 and r["load"]["wall_s"] > 0
+        # N ranks evaluate every 24 / N steps: the same samples between evaluations at every N
+        assert r["steps"] % (24 // r["nprocs"]) == 0 and r["samples"] == r["steps"] * 64 * \
+            r["nprocs"] and r["epochs"] == pytest.approx(r["samples"] / 60000)
+    assert [r["lr"] for r in tta["runs"]][:2] == pytest.approx([0.02, 0.04])  # linear rule
+    for b in tta["by_n"]:
+        assert b["reached"] == b["rounds"] == 2
+        assert b["seconds_lo"] <= b["seconds"] <= b["seconds_hi"]
+    (sp,) = tta["speedup"]
+    assert sp["nprocs"] == 2 and sp["rounds"] == 2 and sp["lo"] <= sp["value"] <= sp["hi"]
+    assert tta["throughput_speedup"][0]["nprocs"] == 2
+    assert tta["epochs_check"]["verdict"] in VERDICTS
+    data = (tmp_path / "latest" / "time_to_accuracy.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    summary = (tmp_path / "latest" / "summary.md").read_text()
+    assert "| 2 | 128 | 0.04 | 2/2 |" in summary and "MLPerf-style epochs check" in summary
+    assert "time to accuracy N=2 round 2" in proc.stdout + proc.stderr  # progress per launch
+
+
+@pytest.mark.tools
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_failing_and_a_hanging_method_are_recorded_and_the_sweep_goes_on(tmp_path):
     proc = _bench(tmp_path, "--methods", "broken,stuck,independent", "--nprocs", "1",
                   "--timeout", "15")

@@ -141,6 +141,25 @@ EXPECT: dict[str, list[Expect]] = {
                lambda g: abs(g[0] - 5.7) <= 0.1 and g[1] < g[0],
                "the loss falls from about 5.7 over 30 steps (checked: 5.6-5.8, then lower)"),
     ],
+    "11_time_to_accuracy": [
+        Expect("global_batch.py --nproc 2",
+               r"largest weight difference: A-C ([\d.e+-]+), B-C ([\d.e+-]+)",
+               lambda g: max(g) < 1e-6,
+               "the three ways end within about 1e-7 of each other (checked: below 1e-6)"),
+        Expect("sync_bn.py --nproc 3",
+               r"per-rank BatchNorm: outputs differ by up to ([\d.e+-]+).*\n"
+               r"\s*SyncBatchNormByHand: outputs differ by up to ([\d.e+-]+)",
+               lambda g: 0.1 < g[0] < 0.5 and g[1] < 1e-5,
+               "per-rank BatchNorm's outputs differ by about 0.25; the hand SyncBN's by about "
+               "1e-6 (checked: 0.1-0.5, below 1e-5)"),
+        Expect("large_batch.py --nproc 2", r"largest weight difference ([\d.e+-]+)",
+               lambda g: g[0] < 1e-6, "LAMB and ShardedLAMB end within about 1e-8"),
+        Expect("batch_sweep.py --quick",
+               r"(?m)^sgd\s+linear\s+1024\s+\S+\s+1/1\s+(\d+).*\n(?:.*\n)*?"
+               r"^sgd\s+none\s+1024\s+\S+\s+1/1\s+(\d+)",
+               lambda g: g[0] < g[1],
+               "batch 1024 reaches 84% in about 70 steps with the lr scaled, about 120 without"),
+    ],
     "10_inside_a_step": [
         Expect("--methods naive bucketed torch_ddp", r"(?m)^naive \(05\)\s.*?\s(\d+)%$",
                lambda g: g[0] == 0, "The naive DDP hides 0% of its communication, always"),

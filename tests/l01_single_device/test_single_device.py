@@ -23,6 +23,7 @@ from tests.helpers import (
     recording_moves,
     requires_data,
     run_script,
+    run_script_cases,
     unsent_message,
 )
 from tests.l02_data_parallel.gpus import cpu_data_parallel, fake_one_gpu, tutorial_cell
@@ -508,13 +509,15 @@ def test_prepare_dataloader_keeps_the_short_last_batch(sd):
 @pytest.mark.timeout(900)  # correctness, not speed: a loaded 2-core machine is many times slower
 def test_cli_trains_and_reports_test_accuracy(tmp_path):
     ck = tmp_path / "ck.pt"
+    # 2,000 test images: the accuracy of 60 steps shows on them; the whole set is slow
     proc = run_script(script(LESSON, "single_device.py"), *FASHION, "--epochs", "1", "--limit-batches",
-                      "60", "--batch-size", "64", "--checkpoint", str(ck), timeout=420)
+                      "60", "--batch-size", "64", "--test-limit", "2000", "--checkpoint", str(ck),
+                      timeout=420)
     assert proc.returncode == 0, proc.stderr
     acc = float(proc.stdout.split("test accuracy:")[1].split()[0])
     assert acc > 0.6, proc.stdout  # 60 steps already beat chance (0.1) by far
     resumed = run_script(script(LESSON, "single_device.py"), *FASHION, "--epochs", "2", "--limit-batches",
-                         "5", "--resume", str(ck), timeout=420)
+                         "5", "--test-limit", "500", "--resume", str(ck), timeout=420)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at epoch 1" in resumed.stdout
 
@@ -588,17 +591,23 @@ def test_train_and_evaluate_passes_the_flags_on_and_tests_on_the_test_set(sd, mo
     assert got == {"accuracy": 0.75, "seconds": got["seconds"], "history": [0.5]}, got
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--dataset", "cifar"], "invalid choice"),
     (["--batch-size", "0"], "batch size must be a positive integer"),
     (["--device", "cuda"], "no CUDA GPU"),
     (["--checkpoint", "/nonexistent-dir/ck.pt"], "does not exist"),
-])
+]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_cli_bad_input_gets_one_clear_line(args, message):
     if args == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = run_script(script(LESSON, "single_device.py"), *FASHION, *args, "--limit-batches", "1")
-    assert message in one_line_error(proc)
+    cases = [c for c in BAD_INPUT if c[0] != ["--device", "cuda"] or not torch.cuda.is_available()]
+    procs = run_script_cases(script(LESSON, "single_device.py"),
+                             [[*FASHION, *a, "--limit-batches", "1"] for a, _ in cases])
+    assert message in one_line_error(procs[cases.index((args, message))])
 
 
 def test_cli_corrupted_checkpoint_gets_one_clear_line(tmp_path):
@@ -618,11 +627,13 @@ def test_cli_missing_data_offline_says_how_to_get_it(tmp_path):
 
 
 @requires_data
+@pytest.mark.readme  # a README figure: `make check-readme` runs it, `make test` does not
 @pytest.mark.slow
 @pytest.mark.task("01.2")
 @pytest.mark.timeout(1800)  # one full epoch: about 40 s idle, many minutes on a loaded machine
 def test_convnet_reaches_85_percent_after_one_epoch(sd):
-    """The README's figure: one epoch of the ConvNet on Fashion-MNIST, on the CPU."""
+    """The README's figure: one epoch of the ConvNet on Fashion-MNIST, on the CPU. A full
+    epoch is a minute of the suite: the README check runs it (marker ``readme``)."""
     args = sd.build_parser().parse_args([*FASHION, "--epochs", "1", "--no-progress"])
     result = sd.main(args)
     assert result["accuracy"] >= 0.85, result["accuracy"]

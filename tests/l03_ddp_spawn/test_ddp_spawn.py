@@ -32,6 +32,7 @@ from tests.helpers import (
     one_line_error,
     requires_data,
     run_script,
+    run_script_cases,
 )
 from tests.l03_ddp_spawn import rank_fns
 from tests.lessons import REPO, script
@@ -632,22 +633,29 @@ def _one_gpu_at_most() -> dict[str, str]:
             "DPT_SHARE_GPU": "0"}
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv,words", [
+BAD_LAUNCHES = [
     (("-n", "2", "-g", "1", "-nr", "2"), "node rank"),
     # 2 processes on (at most) one GPU: no GPU per process, or no GPU at all
     (("-n", "1", "-g", "2", "--device", "cuda"), "GPU"),
     (("-g", "2", "--batch-size", "0"), "batch size"),
     (("-n", "2", "-g", "1", "-nr", "1"), "master-port"),
     (("-n", "2", "-g", "1", "-nr", "1", "--master-port", "{port}"), "master-addr"),
-])
+]
+_LAUNCH_PORT = []  # one free port for this test process's run of the cases
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,words", BAD_LAUNCHES)
 def test_cli_refuses_bad_launches_in_one_line(argv, words, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    argv = [a.format(port=find_free_port()) for a in argv]
-    proc = run_script(script(LESSON, "ddp_spawn.py"), *FASHION, *argv, timeout=45,
-                      env=_one_gpu_at_most())
-    assert words.lower() in one_line_error(proc).lower()
+    _LAUNCH_PORT[:] = _LAUNCH_PORT or [find_free_port()]
+    cases = [[*FASHION, *(a.format(port=_LAUNCH_PORT[0]) for a in args)]
+             for args, _ in BAD_LAUNCHES]
+    procs = run_script_cases(script(LESSON, "ddp_spawn.py"), cases, timeout=90,
+                             env=_one_gpu_at_most())
+    line = one_line_error(procs[BAD_LAUNCHES.index((argv, words))])
+    assert words.lower() in line.lower()
 
 
 @requires_data

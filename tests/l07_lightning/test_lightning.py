@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dpt.models import MLP
 from dpt.ranks import run_distributed
-from tests.helpers import one_line_error, requires_data, run_script
+from tests.helpers import one_line_error, requires_data, run_script, run_script_cases
 from tests.l07_lightning import rank_fns
 from tests.lessons import load, script
 
@@ -501,14 +501,15 @@ def test_fabric_trains_on_two_cpu_processes():
         f"the ranks' means were summed (fabric.all_reduce(..., reduce_op='mean'), not 'sum')")
 
 
+FABRIC_BAD = [(["--devices", "0"], "--devices"), (["--batch-size", "0"], "batch")]
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("args, words", [
-    (["--devices", "0"], "--devices"),
-    (["--batch-size", "0"], "batch"),
-])
+@pytest.mark.parametrize("args, words", FABRIC_BAD)
 def test_fabric_script_bad_input_is_one_line(args, words):
-    proc = run_script(script(LESSON, "fabric_ddp.py"), *args, timeout=150)
-    line = one_line_error(proc)
+    procs = run_script_cases(script(LESSON, "fabric_ddp.py"), [a for a, _ in FABRIC_BAD],
+                             timeout=150)
+    line = one_line_error(procs[FABRIC_BAD.index((args, words))])
     assert words in line, (
         f"{args}: the error does not name the bad flag ({words!r}); check it before Fabric "
         f"starts: {line}")
@@ -772,19 +773,23 @@ def test_strategy_matches_single_device_and_logs_whole_set_metrics(lf, reference
     assert result["val_loss"] == pytest.approx(vloss, rel=1e-4), "val_loss is one rank's"
 
 
-@pytest.mark.parametrize("args,needle", [
+GPU_ONLY = [
     (["--strategy", "fsdp", "--devices", "2"], "GPU-only"),
     (["--strategy", "deepspeed"], "GPU-only"),
     (["--precision", "16-mixed"], "16-mixed"),
     (["--accelerator", "gpu"], "no"),
     (["--devices", "0"], "at least 1"),
-])
-@pytest.mark.timeout(180)
+]
+
+
+@pytest.mark.parametrize("args,needle", GPU_ONLY)
+@pytest.mark.timeout(240)
 def test_gpu_only_choices_stop_on_cpu_with_one_clear_line(args, needle):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = run_script(script(LESSON, "lit_train.py"), *FASHION, *args, timeout=150)
-    assert needle in one_line_error(proc)
+    procs = run_script_cases(script(LESSON, "lit_train.py"),
+                             [[*FASHION, *a] for a, _ in GPU_ONLY], timeout=210)
+    assert needle in one_line_error(procs[GPU_ONLY.index((args, needle))])
 
 
 class _RecordingTrainer:

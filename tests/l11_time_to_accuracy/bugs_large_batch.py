@@ -1,0 +1,67 @@
+"""Planted bugs of lesson 11, part: large_batch (see planted_bugs.py)."""
+
+from tests.planted import Bug
+
+F = "11_time_to_accuracy/large_batch.py"
+T = "tests/l11_time_to_accuracy/test_large_batch.py::"
+
+BUGS = [
+    Bug("11.10-no-wd-in-denominator", F, where="11.10",
+        find="g_norm + wd * w_norm + group[\"eps\"])", replace="g_norm + group[\"eps\"])",
+        tests=(T + "test_lars_matches_the_formula",),
+        expect=r"the trust ratio's denominator is \|\|g\|\| \+ wd\*\|\|w\|\| \+ eps",
+        why="LARS's Eq. 6 without the decay term: the trust ratio explodes once wd*||w|| "
+            "outweighs ||g||"),
+    Bug("11.10-trust-without-wd", F, where="11.10",
+        find="                if wd != 0:\n", replace="                if True:\n",
+        tests=(T + "test_lars_matches_the_formula",),
+        expect=r"a group with weight_decay 0 takes plain g",
+        why="biases and norms (the group without decay) get a trust ratio too"),
+    Bug("11.11-trust-on-r-not-u", F, where="11.11",
+        find="u_norm = torch.linalg.vector_norm(u)\n",
+        replace="u_norm = torch.linalg.vector_norm(u - group[\"weight_decay\"] * p)\n",
+        tests=(T + "test_lamb_matches_the_formula",),
+        expect=r"the trust ratio uses \|\|r \+ wd\*w\|\|",
+        why="the trust ratio divides by Adam's ratio r alone, not by the update r + wd*w"),
+    Bug("11.11-no-bias-correction", F, where="11.11",
+        find="m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)",
+        replace="m_hat, v_hat = m, v",
+        tests=(T + "test_lamb_matches_the_formula",),
+        keywords=("corrected-clamped",),
+        expect=r"LAMB takes bias-corrected moments",
+        why="the raw moments at every step: the first steps' r is off by the (1 - beta^t)s"),
+    Bug("11.11-eps-inside-sqrt", F, where="11.11",
+        find="u = m_hat / (v_hat.sqrt() + group[\"eps\"])",
+        replace="u = m_hat / (v_hat + group[\"eps\"]).sqrt()",
+        tests=(T + "test_lamb_matches_the_formula",),
+        expect=r"eps goes outside the square root",
+        why="sqrt(v + eps): with gradients near 1e-4, eps = 1e-6 swamps v"),
+    Bug("11.12-sum-of-norms", F, where="11.12",
+        find="squares = torch.stack([s.detach().pow(2).sum() for s in shards])",
+        replace="squares = torch.stack([s.detach().norm() for s in shards])",
+        more=(("11.12", "    return squares.sqrt()\n", "    return squares\n"),),
+        tests=(T + "test_shard_square_norms_are_the_whole_tensors_norms",),
+        keywords=("N2", "N3"),
+        expect=r"summed shard norms: all-reduce squares, then sqrt",
+        why="the ranks' shard norms added: ||a|| + ||b|| is not ||(a, b)||"),
+    Bug("11.13-local-trust", F, where="11.13",
+        find="norms = shard_square_norms([w for _, _, w, _ in todo] + [u for _, _, _, u in todo], "
+             "pg)",
+        replace="norms = torch.stack([t.norm() for t in [w for _, _, w, _ in todo] + "
+                "[u for _, _, _, u in todo]])",
+        tests=(T + "test_sharded_lamb_equals_lamb",),
+        expect=r"trust ratio from this shard's norms",
+        why="each rank's trust ratio from its own shard: a different step size on every rank"),
+    Bug("11.14-scales-up", F, where="11.14",
+        find="coef = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+        replace="coef = max_norm / (total + 1e-6)",
+        tests=(T + "test_sharded_clip_equals_torch",),
+        keywords=("clip_up",),
+        expect=r"clip_grad_norm_ never scales gradients up",
+        why="gradients below max_norm are blown up to it"),
+    Bug("11.14-local-total", F, where="11.14",
+        find="    dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)\n", replace="",
+        tests=(T + "test_sharded_clip_equals_torch",),
+        expect=r"the square root of the all-reduced sum of every shard's squares",
+        why="each rank clips by its own shard's norm: the ranks scale differently"),
+]
