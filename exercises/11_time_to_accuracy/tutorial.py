@@ -171,8 +171,13 @@ with needs_tasks("11.6", "11.7", "11.8", "11.9"):
 # steps. Above it, the steps stay near S_min, and the extra ranks buy nothing.
 
 # %%
-with needs_tasks("11.9"):
+with needs_tasks():  # the sweep's runs, as measured
     full = json.loads(bench_result("l11_batch_sweep.json").read_text())
+    print(f"{len(full['runs'])} runs, {full['config']['seeds']} seeds per point, "
+          f"batches {', '.join(map(str, full['config']['batches']))}")
+
+# %%
+with needs_tasks("11.9"):
     ok = [r for r in full["runs"]
           if r["reached"] and (r["optimizer"], r["rule"]) == ("sgd", "linear")]
     s_min, b_crit = ls.critical_batch([r["batch"] for r in ok], [r["steps"] for r in ok])

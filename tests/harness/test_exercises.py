@@ -390,6 +390,8 @@ def test_carried_stubs_say_that_make_carry_brings_the_answer():
         "Task 01.1")
 
 
+@pytest.mark.tools  # make carry run whole in a student's tree: make check-tools
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_make_carry_puts_the_students_lesson_01_answers_into_lesson_03(tmp_path):
     """In a student's tree with no solutions/, one command copies their lesson-01 answers into

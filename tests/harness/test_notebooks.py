@@ -155,6 +155,7 @@ def _figure_module(lesson: str, name: str):
     return draw_figures.load(target() / lesson / "figures" / f"{name}.py")
 
 
+@pytest.mark.tools  # a partly done tree, as test_notebooks_partial.py: make check-tools
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lesson_05_compares_and_times_each_wrapper_whose_tasks_are_done(tmp_path):

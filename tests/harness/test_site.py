@@ -118,6 +118,8 @@ def test_lines_are_collected_from_every_solution_file():
         f"only {len(files)} of {len(with_blocks)} solution files gave lines to look for")
 
 
+@pytest.mark.tools  # builds the whole site (make site): make check-tools
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_no_solution_source_on_the_site(site):
     lines = solution_lines()
@@ -152,6 +154,8 @@ class _Refs(HTMLParser):
 EXTERNAL = re.compile(r"^(https?:)?//", re.I)
 
 
+@pytest.mark.tools  # builds the whole site (make site): make check-tools
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_site_loads_nothing_from_the_network(site):
     found = []
@@ -229,6 +233,8 @@ IMAGES = ("return [...document.images].map(i => [i.currentSrc || i.src, i.comple
           "i.naturalWidth])")
 
 
+@pytest.mark.tools  # the whole site in a browser: make check-tools
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_every_page_opens_in_a_browser_without_errors(site, served, browser):
     browser.set_script_timeout(60)
