@@ -63,6 +63,25 @@ print("largest N:", n_max)
 display(Markdown(summary_markdown(result)))
 
 # %% [markdown]
+# A faster step is not a faster training. A run that includes lesson 11's **time to accuracy**
+# also trains to a target test accuracy at N = 1 and at the largest N, with the learning rate
+# scaled linearly. The summary above then has a table with both speedups: one for time to the
+# target, one for throughput. The time-to-target speedup is the throughput speedup divided by
+# the ratio of epochs the larger global batch needed. The MLPerf-style check reads that ratio
+# against a margin.
+
+# %%
+tta = result.get("time_to_accuracy")
+if tta:
+    for row in tta["speedup"]:
+        thr = row["throughput"]
+        print(f"N={row['nprocs']}: time-to-target speedup "
+              f"{fmt_ci(row['value'], row['lo'], row['hi'])}, throughput speedup "
+              f"{fmt_ci(thr['value'], thr['lo'], thr['hi'])}")
+else:
+    print(f"{source}: no time-to-accuracy block (a run from before lesson 11, or --no-tta)")
+
+# %% [markdown]
 # ## Speedup and efficiency
 #
 # One bar per method (its own colour and marker in every plot), the 95% interval as an error
