@@ -13,61 +13,27 @@ Under weak scaling (fixed batch per rank) each rank computes what one rank compu
 1/N of it, ``t_compute(N) = t_compute(1) / N`` (assuming compute proportional to the batch),
 and the speedup is ``t_step(1) / t_step(N)``. ``alpha`` (latency) and ``bandwidth`` are
 fitted by least squares from all-reduce timings on this machine, or taken from a named
-interconnect (:data:`PRESETS`) to project onto hardware this machine is not.
+interconnect (:data:`PRESETS`, kept in ``dpt.interconnects`` with their sources) to project
+onto hardware this machine is not.
+
+What the near-ideal line of a small model hides, the crossover for real model sizes (DDP,
+ZeRO and FSDP, compute against exposed communication), is lesson 12's ``crossover.py``;
+:func:`crossover_rows` draws it from that file of a lesson tree for the benchmark's figure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Interconnect:
-    label: str
-    bandwidth_GBps: float  # nominal, per direction, per GPU (or per node for a network)
-    latency_us: float  # alpha: the fixed cost of one all-reduce, order of magnitude
-
-
-# Targets to project onto. Bandwidths are the nominal per-direction figures of the
-# specifications, so a projection is optimistic (NCCL reaches roughly 75-90% of them on large
-# messages). Sources:
-# - PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s per direction
-#   (PCI-SIG, PCIe 4.0 base specification); 25 GB/s is the usable figure GPUs reach over it.
-# - PCIe 5.0 x16: 32 GT/s x 16 lanes = 63 GB/s per direction (PCI-SIG, PCIe 5.0); 50 usable.
-# - NVLink 3 (A100 SXM4): 600 GB/s total per GPU, 300 GB/s each way (NVIDIA A100 datasheet).
-# - NVLink 4 (H100/H200 SXM5): 900 GB/s total per GPU, 450 GB/s each way (NVIDIA H100
-#   datasheet); nccl-tests reports 460-480 GB/s bus bandwidth on 8 x H100 with NVSwitch.
-# - InfiniBand HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s per port (IBTA; one port a node).
-# - Ethernet 100 Gb/s = 12.5 GB/s, 10 Gb/s = 1.25 GB/s.
-# Latencies: the time of a small (8-byte) all-reduce as nccl-tests shows it, an order of
-# magnitude and not a specification: about 10 us inside an NVLink node, 20 us over PCIe,
-# 10-20 us more across InfiniBand, 50-100 us over TCP on Ethernet.
-PRESETS: dict[str, Interconnect] = {
-    "nvlink4": Interconnect("NVLink 4 (H100/H200 SXM)", 450.0, 10.0),
-    "nvlink3": Interconnect("NVLink 3 (A100 SXM)", 300.0, 10.0),
-    "pcie5x16": Interconnect("PCIe 5.0 x16", 50.0, 20.0),
-    "pcie4x16": Interconnect("PCIe 4.0 x16", 25.0, 20.0),
-    "infiniband-ndr": Interconnect("InfiniBand NDR 400 Gb/s", 50.0, 30.0),
-    "infiniband-hdr": Interconnect("InfiniBand HDR 200 Gb/s", 25.0, 30.0),
-    "ethernet-100g": Interconnect("Ethernet 100 Gb/s", 12.5, 50.0),
-    "ethernet-10g": Interconnect("Ethernet 10 Gb/s", 1.25, 100.0),
-}
-
-# Nominal per-direction bandwidths, in GB/s, by preset name.
-INTERCONNECTS = {name: p.bandwidth_GBps for name, p in PRESETS.items()}
-
-
-def default_interconnect(gpu_names: list[str]) -> str:
-    """The preset a machine with these GPUs most likely has between them: NVLink on an SXM
-    H100/H200 or A100, PCIe on a PCIe card or anything else (a guess from the name only)."""
-    names = " ".join(gpu_names).upper()
-    if "PCIE" in names:
-        return "pcie5x16" if any(g in names for g in ("H100", "H200")) else "pcie4x16"
-    if any(g in names for g in ("H100", "H200", "H800", "GH200")):
-        return "nvlink4"
-    if any(g in names for g in ("A100", "A800")):
-        return "nvlink3"
-    return "pcie4x16"
+# The interconnects live in dpt (lesson 12's crossover projects onto the same table); they
+# are re-exported here, where the benchmark and its notebook have always found them.
+from dpt.interconnects import (  # noqa: F401
+    INTERCONNECTS,
+    PRESETS,
+    Interconnect,
+    default_interconnect,
+)
 
 
 @dataclass
@@ -117,3 +83,31 @@ def fit_ring(sizes_bytes: list[float], times_s: list[float], n: int) -> RingMode
     if slope <= 0:
         raise ValueError("all-reduce time does not grow with size; cannot fit a bandwidth")
     return RingModel(alpha, 1.0 / slope)
+
+
+CROSSOVER_LESSON = ("12_step_cost", "crossover")
+
+
+def crossover_from_lesson(tree=None, course_models: bool = True, **kwargs):
+    """Lesson 12's crossover for real model sizes, drawn by the lesson tree's own code.
+
+    Returns ``(module, rows, note)``: the lesson's ``crossover.py`` (``dpt.lessons.load``,
+    ``tree`` as it reads it: ``$DPT_TARGET``, else ``solutions/``), its ``crossover_rows``
+    (the course's models, their FLOPs counted, then the lesson's real ones; ``kwargs`` passed
+    on) and None; or ``(module or None, [], note)``, the note one line
+    saying why there are no rows: the lesson is missing, or its tasks 12.8-12.10 are stubs.
+    """
+    from dpt.lessons import load
+
+    try:
+        module = load(*CROSSOVER_LESSON, tree)
+    except (FileNotFoundError, ImportError) as e:
+        return None, [], f"no crossover for real models: {e}"
+    try:
+        models = list(module.REAL_MODELS)
+        if course_models:
+            models = module.course_models() + models
+        return module, module.crossover_rows(models, **kwargs), None
+    except NotImplementedError as e:
+        return module, [], (f"crossover for real models not drawn: {e.args[0] if e.args else e} "
+                            f"(do lesson 12's tasks 12.8-12.10 in {Path(module.__file__).parent})")

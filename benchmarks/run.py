@@ -75,6 +75,7 @@ from benchmarks.costmodel import (
     INTERCONNECTS,
     PRESETS,
     RingModel,
+    crossover_from_lesson,
     default_interconnect,
     fit_ring,
 )
@@ -246,14 +247,20 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
             if world_size > 1:
                 dist.barrier()
             compute_times.append(_timed(compute_step, steps, devices))
-    loss = step()
+    # One more step, untimed and watched: the dtype its FLOPs are computed in (for MFU)
+    from dpt.flops import DTYPE_NAMES, ComputeDtypes
+
+    with ComputeDtypes() as seen:
+        loss = step()
     # The slowest rank sets the pace: every rank reports, the parent takes the max.
     mem, mem_kind, mem_each = _peak_memory_mb(devices)
     usage = resource.getrusage(resource.RUSAGE_SELF)  # this process's CPU (reset at fork)
     out = {"rank": rank, "step_times": step_times, "steps": steps, "loss": float(loss),
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
            "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
-           "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores}
+           "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores,
+           "devices": [str(d) for d in devices], "flops_seen": seen.total(),
+           "compute_dtype": DTYPE_NAMES.get(seen.dtype())}
     if extras.get("notes"):  # what the method says about this run (a dtype it chose, ...)
         out["notes"] = list(extras["notes"])
     if comm_times:
@@ -503,6 +510,11 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     notes = [note for r in ranks for note in r.get("notes", [])]
     if notes:
         out["notes"] = notes
+    # For MFU: the devices computing (each rank's share of the CPU, or each distinct GPU) and
+    # what rank 0's last step computed in
+    gpus = {d for r in ranks for d in r.get("devices", []) if d.startswith("cuda")}
+    out.update(devices=len(gpus) or n, compute_dtype=ranks[0].get("compute_dtype"),
+               flops_seen=ranks[0].get("flops_seen"))
     step_s = statistics.median(per_repeat)
     if all("compute_s" in r for r in ranks):
         compute = max(r["compute_s"] for r in ranks)
@@ -575,6 +587,9 @@ def finish_record(rec: dict) -> None:
                final_loss=statistics.mean(r["final_loss"] for r in ok),
                threads_per_rank=ok[0]["threads"],
                timed_steps=min(min(r.get("timed_steps") or [0]) for r in ok))
+    for key in ("devices", "compute_dtype", "flops_seen"):
+        if key in ok[0]:
+            rec[key] = ok[0][key]
     summarize_record(rec)
 
 
@@ -677,6 +692,132 @@ def fit_cost_model(curve: list, n: int) -> RingModel | None:
 # ----------------------------------------------------------------------------- output
 
 
+# ------------------------------------------------------------------------ MFU
+
+
+def model_flops_per_step(model_name: str, per_rank_batch: int, cache: dict | None = None) -> int:
+    """Model FLOPs of one training step of ``model_name`` at this per-rank batch.
+
+    Forward and backward, counted by FlopCounterMode (``dpt.flops.step_flops``) on the meta
+    device, so nothing is computed, with the benchmark's own batch shape
+    (``BenchContext.batch``); no optimizer, no communication, no recomputation. Once per
+    (model, batch) in ``cache``.
+    """
+    from dpt.flops import step_flops
+
+    key = (model_name, per_rank_batch)
+    if cache is not None and key in cache:
+        return cache[key]
+    ctx = BenchContext(0, 1, torch.device("cpu"), per_rank_batch, model_name)
+    flops = step_flops(ctx.model().to("meta"), ctx.batch()[0].to("meta"))
+    if cache is not None:
+        cache[key] = flops
+    return flops
+
+
+def device_peak(device_type: str, dtype_name: str, threads: int,
+                probe=None) -> tuple[float, str]:
+    """(FLOP/s, label): one device's peak for ``dtype_name`` (``dpt.flops.peak_flops``).
+
+    A GPU's from its datasheet (the probe on a GPU without an entry); on the CPU the matmul
+    probe with ``threads`` threads, one rank's share, since each rank computes on its own.
+    ``probe``: see ``dpt.flops.peak_flops``.
+    """
+    from dpt.flops import peak_flops
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    if device_type == "cuda":
+        return peak_flops(torch.device("cuda", 0), dtype, probe=probe)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peak, label = peak_flops("cpu", dtype, probe=probe)
+    finally:
+        torch.set_num_threads(before)
+    return peak, f"{label}, {threads} thread(s): one rank's share"
+
+
+def add_mfu(records: list[dict], model_name: str, device_type: str, threads: int,
+            peak_fn=device_peak, flops_fn=model_flops_per_step) -> dict:
+    """Achieved FLOP/s and MFU for every record measured; returns the peaks used.
+
+    ``flops_per_sample`` is the model's step FLOPs over its per-rank batch, so the FLOP/s
+    achieved by all ranks is ``flops_per_sample * samples_per_s`` and the MFU that over the
+    peak of one device in the record's compute dtype times the devices computing (the N ranks,
+    or the GPUs one DataParallel process drives). Each dtype's peak is got once per run.
+    """
+    import dpt.flops
+
+    cache: dict = {}
+    peaks: dict[str, tuple[float, str]] = {}
+    probes: dict = {}
+
+    def probe(device, dtype, seconds):  # one measurement per (device, dtype) in a run
+        key = (str(device), dtype)
+        if key not in probes:
+            probes[key] = dpt.flops.measure_peak(device, dtype, seconds)
+        return probes[key]
+
+    for r in records:
+        if r["status"] != "ok" or "samples_per_s" not in r:
+            continue
+        if r.get("flops_seen") == 0:
+            r.setdefault("notes", []).append(
+                "no MFU: its step computed no matmul or convolution that the harness could "
+                "see on the rank's own thread")
+            continue
+        dtype = r.get("compute_dtype") or "fp32"
+        if dtype not in peaks:
+            peaks[dtype] = peak_fn(device_type, dtype, threads, probe)
+        peak, label = peaks[dtype]
+        flops = flops_fn(model_name, r["per_rank_batch"], cache)
+        per_sample = flops / r["per_rank_batch"]
+        devices = r.get("devices") or r["nprocs"]
+        r.update(compute_dtype=dtype, flops_per_step=flops, flops_per_sample=per_sample,
+                 achieved_tflops=per_sample * r["samples_per_s"] / 1e12,
+                 achieved_tflops_per_rank=per_sample * r["samples_per_s"] / 1e12 / r["nprocs"],
+                 peak_tflops=peak / 1e12, peak_label=label)
+        for key, rate in (("mfu", "samples_per_s"), ("mfu_lo", "samples_per_s_lo"),
+                          ("mfu_hi", "samples_per_s_hi")):
+            if r.get(rate) is not None:
+                r[key] = per_sample * r[rate] / (peak * devices)
+        seen = r.get("flops_seen")
+        if seen and abs(seen - flops) > 0.1 * flops:
+            r.setdefault("notes", []).append(
+                f"MFU counts the model's {flops / 1e9:.3g} GFLOP a step; rank 0's own step "
+                f"computed {seen / 1e9:.3g} (recomputation, another model, or work on other "
+                "threads)")
+    return {"model": model_name, "device": device_type,
+            "flops": (f"model FLOPs per step: forward + backward of {model_name!r} at the "
+                      "per-rank batch, counted by FlopCounterMode (dpt.flops.step_flops); no "
+                      "optimizer, communication or recomputation"),
+            "peaks": {d: {"tflops": p / 1e12, "label": lab} for d, (p, lab) in peaks.items()}}
+
+
+def mfu_text(block: dict) -> str:
+    """The summary's sentence on MFU: what was counted and which peak, got how."""
+    if block.get("error"):
+        return f"MFU not computed: {block['error']}"
+    peaks = "; ".join(f"{d}: {_sig(v['tflops'])} TFLOP/s ({v['label']})"
+                      for d, v in block.get("peaks", {}).items())
+    return (f"MFU = achieved FLOP/s / (peak of one {block.get('device')} device x devices), "
+            f"with {block.get('flops')}. Peak per device: {peaks or 'none needed'}.")
+
+
+def _sig(value: float | None) -> str:
+    """Three significant figures (``fmt_ms`` works on thousandths)."""
+    return "" if value is None else fmt_ms(value / 1000)
+
+
+def _mfu_cells(r: dict) -> str:
+    if r.get("mfu") is None:
+        return " | "
+    flops = f"{_sig(r['achieved_tflops'])} ({_sig(r['achieved_tflops_per_rank'])})"
+    pct = (f"{_sig(100 * r['mfu'])}%" if r.get("mfu_lo") is None else
+           f"{_sig(100 * r['mfu'])}% [{_sig(100 * r['mfu_lo'])}, {_sig(100 * r['mfu_hi'])}]")
+    return f"{flops} | {pct} {r['compute_dtype']}"
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -770,15 +911,15 @@ def summary_markdown(result: dict) -> str:
     if cut:
         lines += [cut, ""]
     lines += ["| method | N | status | samples/s | speedup | efficiency | step ms | comm ms | "
-              "peak MB/rank | final loss | machine |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TFLOP/s all (per rank) | MFU | peak MB/rank | final loss | machine |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     for r in result["records"]:
         if r.get("sweep") is not None:
             continue
         if r["status"] != "ok" or "samples_per_s" not in r:
             lines.append(f"| {r['method']} | {r['nprocs']} | {r['status']}: "
-                         f"{r.get('error', '')} | | | | | | | | |")
+                         f"{r.get('error', '')} | | | | | | | | | | |")
             continue
         rel = r.get("reliability", "")
         if rel == BUSY:
@@ -788,7 +929,7 @@ def summary_markdown(result: dict) -> str:
             f"{fmt_ci(r['samples_per_s'], r.get('samples_per_s_lo'), r.get('samples_per_s_hi'), '.0f')} | "
             f"{fmt_ci(r.get('speedup'), r.get('speedup_lo'), r.get('speedup_hi'))} | "
             f"{fmt_ci(r.get('efficiency'), r.get('efficiency_lo'), r.get('efficiency_hi'))} | "
-            f"{fmt_ms(r['step_s'])} | {fmt_ms(r.get('comm_s'))} "
+            f"{fmt_ms(r['step_s'])} | {fmt_ms(r.get('comm_s'))} | {_mfu_cells(r)} "
             f"| {r['peak_mem_mb']:.0f} | {r['final_loss']:.3f} | {rel} |")
     if result.get("ratios"):
         lines += ["", "Throughput ratios, same N, paired by round:", "",
@@ -801,6 +942,8 @@ def summary_markdown(result: dict) -> str:
         from benchmarks.time_to_accuracy import tta_markdown
 
         lines += tta_markdown(tta)
+    if result.get("mfu"):
+        lines += ["", mfu_text(result["mfu"])]
     cm = result.get("cost_model")
     if cm:
         lines += ["", cost_model_text(cm)]
@@ -888,6 +1031,48 @@ def _grouped_bars(ax, recs, methods, styles, key: str, ideal, ylabel: str) -> No
         handles.append(Patch(facecolor="white", edgecolor="firebrick", hatch="///",
                              label=BUSY))
     ax.legend(handles=handles, fontsize=7, loc="best", framealpha=0.9)
+
+
+def cost_model_figure(result: dict, cm: dict, recs: list[dict], styles: dict,
+                      project_ns=(1, 2, 4, 8, 16, 64)):
+    """costmodel.png: this machine's measured speedups and the cost model fitted to them (or
+    projected), and beside them lesson 12's crossover for real model sizes, drawn by the
+    lesson tree's own crossover.py (a stub leaves one line in its place)."""
+    import matplotlib.pyplot as plt
+
+    cm = {"scaling": result["config"].get("scaling", "weak"), **cm}
+    crossover, rows, crossover_note = crossover_from_lesson()
+    if rows:
+        fig, (ax, ax_split, ax_hide) = plt.subplots(
+            1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [1, 1.3, 1.3]})
+        crossover.plot_crossover(rows, ax_split, ax_hide)
+    else:
+        fig, ax = plt.subplots(figsize=(6.5, 4.6))
+        fig.text(0.01, 0.99, crossover_note, fontsize=7, ha="left", va="top",
+                 color="firebrick", wrap=True)
+    ax.plot(project_ns, project_ns, "k:", label="ideal")
+    where = (f"projected, {cm.get('preset_label', cm.get('preset'))}"
+             if cm.get("source") == "projection" else "predicted, this machine")
+    ax.plot(project_ns, predicted_speedups(cm, project_ns), "--", color="gray",
+            label=f"{where} ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
+    for pname, gbps in (cm.get("projections") or {}).items():
+        ax.plot(project_ns, predicted_speedups(cm, project_ns, bandwidth_Bps=gbps * 1e9),
+                "--", label=f"predicted, {pname}")
+    for mname in ("ddp_spawn", CONTROL):
+        pts = sorted((r["nprocs"], r["speedup"]) for r in recs
+                     if r["method"] == mname and r.get("speedup") is not None)
+        if len(pts) > 1:
+            colour, marker = styles[mname]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=colour,
+                    label=f"measured {mname}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("N (ranks)")
+    ax.set_ylabel("speedup")
+    ax.set_title(f"Cost model of {cm['grad_bytes'] / 1e3:.0f} KB of gradients, "
+                 f"{cm['scaling']} scaling\n(dashed = predicted, not measured)", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list[Path]:
@@ -994,31 +1179,8 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
         save(fig, fname)
 
     if cm:
-        cm = {"scaling": result["config"].get("scaling", "weak"), **cm}
-        fig, ax = plt.subplots(figsize=(6.5, 4.6))
-        ax.plot(project_ns, project_ns, "k:", label="ideal")
-        where = (f"projected, {cm.get('preset_label', cm.get('preset'))}"
-                 if cm.get("source") == "projection" else "predicted, this machine")
-        ax.plot(project_ns, predicted_speedups(cm, project_ns), "--", color="gray",
-                label=f"{where} ({cm['bandwidth_Bps'] / 1e9:.2f} GB/s)")
-        for pname, gbps in (cm.get("projections") or {}).items():
-            ax.plot(project_ns, predicted_speedups(cm, project_ns, bandwidth_Bps=gbps * 1e9),
-                    "--", label=f"predicted, {pname}")
-        for mname in ("ddp_spawn", CONTROL):
-            pts = sorted((r["nprocs"], r["speedup"]) for r in recs
-                         if r["method"] == mname and r.get("speedup") is not None)
-            if len(pts) > 1:
-                colour, marker = styles[mname]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=colour,
-                        label=f"measured {mname}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("N (ranks)")
-        ax.set_ylabel("speedup")
-        ax.set_title(f"Cost model, {cm['scaling']} scaling (dashed = predicted, not measured)",
-                     fontsize=9)
-        ax.legend(fontsize=7)
-        save(fig, "costmodel.png", marked="measured points")
+        save(cost_model_figure(result, cm, recs, styles, project_ns), "costmodel.png",
+             marked="measured points")
 
     sweep = _ok(result, sweep=True)
     if sweep:
@@ -1487,6 +1649,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:  # the batch sweep's speedup under its old name too
         if r.get("sweep") is not None and r.get("speedup") is not None and r["nprocs"] > 1:
             r["sweep_speedup"] = r["speedup"]
+    try:
+        mfu = add_mfu(records, cfg.model, plan.placement[1], cfg.threads_per_rank)
+    except Exception as exc:  # noqa: BLE001 - the results stand without MFU
+        mfu = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(f"MFU not computed: {mfu['error']}", file=sys.stderr)
     verdict = judge(records, cfg.control_floor)
 
     result = {"stamp": stamp, "machine": machine,
@@ -1495,7 +1662,8 @@ def main(argv: list[str] | None = None) -> int:
                          "planned_s": round(plan.planned_s, 1)},
               "wall_s": round(time.monotonic() - started, 1),
               "allreduce_curve": curve, "records": records,
-              "ratios": throughput_ratios(records, RATIO_PAIRS), "verdict": verdict}
+              "ratios": throughput_ratios(records, RATIO_PAIRS), "verdict": verdict,
+              "mfu": mfu}
     extra = {f"{g:g} GB/s": g for g in args.project_bandwidth}
     extra.update({name: INTERCONNECTS[name] for name in args.project})
     cm = cost_model_of(curve, max(ns), records, cfg, machine, args.interconnect, extra)
@@ -1531,8 +1699,10 @@ CSV_FIELDS = ["method", "nprocs", "status", "reliability", "scaling", "per_rank_
               "global_batch", "samples_per_s", "samples_per_s_lo", "samples_per_s_hi",
               "speedup", "speedup_lo", "speedup_hi", "efficiency", "efficiency_lo",
               "efficiency_hi", "rounds_ok", "step_s", "step_s_min", "step_s_max", "compute_s",
-              "comm_s", "peak_mem_mb", "mem_kind", "final_loss", "threads_per_rank", "sweep",
-              "timed_steps",
+              "comm_s", "compute_dtype", "flops_per_step", "flops_per_sample",
+              "achieved_tflops", "achieved_tflops_per_rank", "peak_tflops", "mfu", "mfu_lo",
+              "mfu_hi", "peak_label", "peak_mem_mb", "mem_kind", "final_loss",
+              "threads_per_rank", "sweep", "timed_steps",
               "flags", "notes", "error"]
 
 

@@ -11,10 +11,14 @@
 - ``dpt.ranks``: run a function on N ranks with a hard timeout (tests, notebooks, benchmarks).
 - ``dpt.stats``: means with their 95% t-intervals (benchmarks, lesson measurements).
 - ``dpt.timing``: clocks that time collectives where they run (CUDA events on a GPU).
+- ``dpt.interconnects``: the links between GPUs (NVLink, PCIe, InfiniBand, Ethernet) as
+  their specifications state them, for the benchmark's cost model and lesson 12.
+- ``dpt.flops``: a step's model FLOPs (FlopCounterMode), GPUs' datasheet peaks and a matmul
+  probe, for MFU in lesson 12 and the benchmark.
 """
 
-__all__ = ["checkpoint", "data", "device", "dist", "models", "precision", "ranks", "stats",
-           "timing"]
+__all__ = ["checkpoint", "data", "device", "dist", "flops", "models", "precision", "ranks",
+           "stats", "timing"]
 
 import importlib.util as _util
 import sys as _sys

@@ -33,7 +33,9 @@ LESSONS = {"05_ddp_from_scratch": ("tests/l05_ddp_from_scratch",
            "09_fsdp": ("tests/l09_fsdp", ("fsdp_by_hand", "fsdp2_practice", "dcp_checkpoint")),
            "10_inside_a_step": ("tests/l10_inside_a_step", ("traces", "compile_ddp")),
            "11_time_to_accuracy": ("tests/l11_time_to_accuracy",
-                                   ("global_batch", "sync_bn", "lr_scaling", "large_batch"))}
+                                   ("global_batch", "sync_bn", "lr_scaling", "large_batch")),
+           "12_step_cost": ("tests/l12_step_cost",
+                            ("flops", "bandwidth", "crossover", "memory_calc"))}
 NAME = "_references.py"
 
 

@@ -69,6 +69,12 @@ LIGHTNING_SHARED = ("Lightning's strategies start NCCL themselves, and NCCL refu
                     "on one GPU: needs {n} GPUs")
 
 
+# The quick benchmark's summary on GPUs: a row's MFU (with its dtype) and the sentence naming
+# the peak, from the datasheet (dpt.flops.PEAK_TFLOPS) or the probe on a GPU without an entry
+BENCH_MFU = (r"\| [\d.]+%( \[[^\]]*\])? (fp32|bf16|fp16) \|",
+             r"MFU = achieved FLOP/s .* TFLOP/s \(([^()]* datasheet, dense|measured peak)")
+
+
 @dataclass
 class Item:
     """One command of the check.
@@ -172,13 +178,14 @@ def items(n_gpus: int, cores: int, tmp: Path, capability: tuple[int, int] = (8, 
         Item("benchmark-quick",
              "benchmarks.run --quick " + ("at N=2 and N=4, the ranks sharing the GPU" if shared
                                           else f"at N={n_gpus}")
-             + ": no failed record, cost model present",
+             + ": no failed record, cost model present, MFU against the GPU's peak",
              [py, "-m", "benchmarks.run", "--quick",
               *(["--nprocs", ",".join(map(str, [1, *ns]))] if shared else []),
               "--out", str(tmp / "bench")],
              gpu="exclusive", cpus=top, estimate=240, timeout=600,
              env=dict(SHARE) if shared else {},
-             needs=("matplotlib",), bench_ns=tuple(ns) if shared else (n_gpus,)),
+             needs=("matplotlib",), bench_ns=tuple(ns) if shared else (n_gpus,),
+             expect=BENCH_MFU),
         Item("notebooks" + tag,
              "every notebook, the ranks on the GPUs" + (" (sharing it)" if shared else
                                                         " where there are enough"),
@@ -326,6 +333,16 @@ def items(n_gpus: int, cores: int, tmp: Path, capability: tuple[int, int] = (8, 
              expect=(rf"DP by hand, {n_gpus} GPUs",),
              skip=None if n_gpus >= 2 else "needs 2 GPUs: on one GPU there is nothing to "
              "scatter to (the suite's CPU tests cover DataParallel by hand)"),
+        Item("l12-bandwidth", f"lesson 12: busbw of the four collectives on NCCL, N = 2 to "
+             f"{n_gpus}, 1 KB to 64 MB",
+             [py, f"{S}/12_step_cost/bandwidth.py", "--max-nproc", str(max(2, n_gpus)),
+              "--max-mb", "64", "--out", f"{tmp}/l12-bandwidth.json", "--plot",
+              f"{tmp}/l12-bandwidth.png"],
+             gpu="exclusive", cpus=max(2, n_gpus), estimate=10 + 10 * max(1, n_gpus - 1),
+             timeout=300, expect=(r"all_reduce .* 64 MB", r"all-reduce: alpha = .* GB/s"),
+             skip="needs 2 GPUs: NCCL takes one GPU per rank (the suite times the collectives "
+             "on gloo)" if n_gpus < 2 else "2 GPUs: the plan's NCCL items fill the cap; run "
+             f"{S}/12_step_cost/bandwidth.py by hand" if n_gpus == 2 else None),
         Item("l06-fp16-inf", "fp16 + GradScaler on cuda with an injected inf",
              [py, f"{S}/06_mixed_precision/amp_train.py", "--device", "cuda", "--precision",
               "fp16", "--steps", "30", "--inject-inf", "10"],

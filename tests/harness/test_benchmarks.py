@@ -67,12 +67,18 @@ def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
         r = recs[(m, 2)]
         assert r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"] and r["speedup_rounds"] == 2
     assert "comm_s" in recs[("ddp_no_buffer_broadcast", 2)]
+    for r in recs.values():  # MFU: the model's FLOPs at the measured rate over the probe's peak
+        assert r["compute_dtype"] == "fp32" and r["flops_seen"] == r["flops_per_step"] > 0
+        assert r["mfu"] == pytest.approx(r["flops_per_sample"] * r["samples_per_s"]
+                                         / (r["peak_tflops"] * 1e12 * r["nprocs"]))
+    assert "measured peak, matmul probe" in result["mfu"]["peaks"]["fp32"]["label"]
     assert [c["nprocs"] for c in result["verdict"]["control"]] == [2]
     assert result["cost_model"]["bandwidth_Bps"] > 0
     run = tmp_path / "latest"
     rows = list(csv.DictReader((run / "results.csv").read_text().splitlines()))
     assert len(rows) == 4 and {"method", "nprocs", "samples_per_s", "speedup", "speedup_lo",
-                               "speedup_hi", "reliability"} <= set(rows[0])
+                               "speedup_hi", "reliability", "achieved_tflops", "mfu",
+                               "peak_tflops"} <= set(rows[0])
     for png in ("speedup.png", "efficiency.png", "throughput.png", "memory.png",
                 "step_split.png", "costmodel.png"):
         data = (run / png).read_bytes()
@@ -80,6 +86,7 @@ def test_quick_run_writes_json_csv_and_plots_into_its_own_folder(tmp_path):
     assert not (run / "scaling.png").exists()  # lines over N only beyond 2 devices
     summary = (run / "summary.md").read_text()
     assert "| independent | 2 | ok |" in summary and "Can these numbers be trusted?" in summary
+    assert "| MFU |" in summary and "measured peak, matmul probe" in summary
     # The end of the run says in words whether the machine was busy.
     assert "control `independent`" in proc.stdout
 
@@ -869,6 +876,14 @@ def test_the_strong_scaling_cost_model_splits_the_batch_and_the_plot_draws_it(
         return plot(self, *args, **kwargs)
 
     monkeypatch.setattr(Axes, "plot", spy)
+    # lesson 12's crossover beside it: real models only (counting the course's models' FLOPs
+    # takes seconds; tests/harness/test_costmodel_crossover.py tests that panel)
+    import functools
+
+    from benchmarks import costmodel, run
+
+    monkeypatch.setattr(run, "crossover_from_lesson", functools.partial(
+        costmodel.crossover_from_lesson, course_models=False))
     recs = [_rec("ddp_spawn", n, [100.0 * n, 98.0 * n, 101.0 * n]) for n in (1, 2)]
     for r in recs:
         r.update(peak_mem_mb=100.0, mem_kind="process peak RSS", per_rank_batch=64 // r["nprocs"])

@@ -176,6 +176,27 @@ EXPECT: dict[str, list[Expect]] = {
                "fp32 397.5 KiB; bf16 198.8 KiB; PowerSGD 4.6 KiB at rank 1, measured equal to "
                "predicted"),
     ],
+    "12_step_cost": [
+        Expect("flops.py",
+               r"(?m)^transformer\s+252M\s+252M\s+503M\s+503M\s+1\.0000\s+2\.000$(?:.*\n)*?"
+               r".*6 N tokens = 654M \((-?[\d.]+)% against",
+               lambda g: g[0] == -13.3,
+               "TinyTransformer 252M and 503M, hand/torch 1.0000; 6N is -13.3%"),
+        Expect("memory_calc.py --params 7.5e9 --nproc 64 --dtype fp16",
+               r"(?m)^DDP\s.*\s([\d.]+)\s+([\d.]+)$\n^ZeRO-1\s.*\s([\d.]+)\s+[\d.]+$\n"
+               r"^ZeRO-2\s.*\s([\d.]+)\s+[\d.]+$\n^ZeRO-3 / FSDP\s.*\s([\d.]+)\s+([\d.]+)$",
+               lambda g: g == [120.0, 29.531, 31.406, 16.641, 1.875, 44.297],
+               "DDP 120.000, ZeRO-1 31.406, ZeRO-2 16.641, ZeRO-3 1.875; 29.531 and 44.297 GB"),
+        Expect("crossover.py --plot /tmp/crossover.svg",
+               r"(?m)^Llama-3\.1-8B\s+\S+\s+nvlink4\s+ddp\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
+               r"\s+([\d,]+)\s.*\n(?:.*\n)*?^Llama-3\.1-8B\s+\S+\s+pcie4x16\s+ddp\s+([\d.]+)"
+               r"\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)\s",
+               lambda g: (round(g[0]) == 499 and round(g[1]) == 69 and g[2] == 0
+                          and g[3] == 846 and round(g[5]) == 1136 and round(g[6]) == 804
+                          and g[7] == 14003),
+               "Llama-3.1-8B: 499 ms, 69 ms over NVLink 4 hidden from 846 tokens; 1,136 ms "
+               "over PCIe with 804 exposed, hidden from 14,003"),
+    ],
 }
 
 
@@ -293,7 +314,7 @@ def _run_and_check(cmd: Command, trees) -> None:
         assert m, (f"{cmd.lesson}/README.md quotes {e.quote!r}; `{cmd.text}` printed nothing "
                    f"matching {e.pattern!r}:\n{out[-3000:]}")
         if e.check is not None:
-            values = [float(v) for v in m.groups()]
+            values = [float(v.replace(",", "")) for v in m.groups()]
             assert e.check(values), (
                 f"{cmd.lesson}/README.md quotes {e.quote!r}; `{cmd.text}` printed "
                 f"{m.group(0)!r}")
