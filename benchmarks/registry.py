@@ -22,7 +22,11 @@ final loss. ``timers`` lets a method report, per step, seconds spent in communic
 ``(step, {"timers": timers})``, or ``(step, {"compute_step": fn})`` where ``fn`` does the same
 step without communication (``ddp.no_sync()``): the harness times both, and the difference is
 communication plus waiting. ``{"notes": [...]}`` adds lines to the record (a dtype the
-method chose for this device, say).
+method chose for this device, say). ``{"inner_steps": H}`` says that one call of ``step`` is
+a round of H optimizer steps and one synchronisation (lesson 13's LocalSGD and DiLoCo, which
+communicate once every H steps): the harness divides every time by H, so samples per second
+still count one batch per rank per optimizer step, and ``compute_step`` is the same round
+without its sync.
 
 A method must not fake work it does not do: ``requires`` says when it cannot run
 ("cuda", "cuda>=2", "apex", "compiler"), and the harness records it as skipped with that reason.

@@ -93,6 +93,9 @@ RATIO_PAIRS = [("single", "single_dataloader"), ("ddp_naive", "ddp_spawn"),
                ("amp_bf16", "ddp_spawn"), ("amp_fp16", "ddp_spawn"),
                # synchronised batch norm: one more all-reduce per batch norm per forward
                ("ddp_syncbn_by_hand", "ddp_spawn"), ("ddp_syncbn", "ddp_spawn"),
+               # lesson 13: one sync every 8 steps (parameters, pseudo-gradients, int8 of them)
+               ("local_sgd_h8", "ddp_spawn"), ("diloco_h8", "ddp_spawn"),
+               ("diloco_h8_int8", "ddp_spawn"),
                # DDP against ranks that never communicate, at the same N: what communication
                # and waiting for each other cost, whatever ceiling the machine gave that run
                ("ddp_spawn", "independent")]
@@ -228,6 +231,12 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
     _reset_peaks(devices)
     made = m.factory(ctx)
     step, extras = (made if isinstance(made, tuple) else (made, {}))
+    # A call of ``step`` may be a round of H inner steps and one sync (lesson 13's LocalSGD and
+    # DiLoCo): every time below is then divided by H, so a step is still one batch per rank
+    inner = extras.get("inner_steps", 1)
+    if not isinstance(inner, int) or isinstance(inner, bool) or inner < 1:
+        raise ValueError(f"method {method_name!r}: extras['inner_steps'] must be a whole number "
+                         f"of optimizer steps per call, at least 1, not {inner!r}")
     timers = extras.get("timers")
     warm = [_timed(step, 1, devices) for _ in range(cfg["warmup"])]
     # Every rank takes the same number of steps: the slowest rank's warm-up decides
@@ -240,13 +249,13 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
             dist.barrier()
         if timers is not None:
             timers.clear()
-        step_times.append(_timed(step, steps, devices))
+        step_times.append(_timed(step, steps, devices) / inner)
         if timers is not None and "comm" in timers:
-            comm_times.append(timers["comm"] / steps)
+            comm_times.append(timers["comm"] / steps / inner)
         if compute_step is not None:
             if world_size > 1:
                 dist.barrier()
-            compute_times.append(_timed(compute_step, steps, devices))
+            compute_times.append(_timed(compute_step, steps, devices) / inner)
     # One more step, untimed and watched: the dtype its FLOPs are computed in (for MFU)
     from dpt.flops import DTYPE_NAMES, ComputeDtypes
 
@@ -259,8 +268,10 @@ def bench_rank(rank: int, world_size: int, method_name: str, cfg: dict) -> dict:
            "per_rank_batch": ctx.batch_size, "peak_mem_mb": mem, "mem_kind": mem_kind,
            "peak_mem_mb_devices": mem_each, "threads": torch.get_num_threads(),
            "cpu_s": usage.ru_utime + usage.ru_stime, "cores": cores,
-           "devices": [str(d) for d in devices], "flops_seen": seen.total(),
+           "devices": [str(d) for d in devices], "flops_seen": seen.total() / inner,
            "compute_dtype": DTYPE_NAMES.get(seen.dtype())}
+    if inner > 1:
+        out["inner_steps"] = inner
     if extras.get("notes"):  # what the method says about this run (a dtype it chose, ...)
         out["notes"] = list(extras["notes"])
     if comm_times:
@@ -515,6 +526,8 @@ def launch(name: str, n: int, cfg: Config, methods, round_no: int = 0) -> dict:
     gpus = {d for r in ranks for d in r.get("devices", []) if d.startswith("cuda")}
     out.update(devices=len(gpus) or n, compute_dtype=ranks[0].get("compute_dtype"),
                flops_seen=ranks[0].get("flops_seen"))
+    if ranks[0].get("inner_steps"):
+        out["inner_steps"] = ranks[0]["inner_steps"]
     step_s = statistics.median(per_repeat)
     if all("compute_s" in r for r in ranks):
         compute = max(r["compute_s"] for r in ranks)
@@ -590,6 +603,11 @@ def finish_record(rec: dict) -> None:
     for key in ("devices", "compute_dtype", "flops_seen"):
         if key in ok[0]:
             rec[key] = ok[0][key]
+    if ok[0].get("inner_steps"):
+        rec["inner_steps"] = ok[0]["inner_steps"]
+        rec.setdefault("notes", []).append(
+            f"a timed call is a round of {rec['inner_steps']} inner steps and one sync: step "
+            "times and samples/s are per inner step, the sync's cost spread over the round")
     summarize_record(rec)
 
 

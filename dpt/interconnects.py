@@ -17,6 +17,8 @@ optimistic: NCCL reaches roughly 75-90% of them on large messages. Sources:
   datasheet); nccl-tests reports 460-480 GB/s bus bandwidth on 8 x H100 with NVSwitch.
 - InfiniBand HDR 200 Gb/s and NDR 400 Gb/s per port (IBTA; one port a node): 25 and 50 GB/s.
 - Ethernet 100 Gb/s and 10 Gb/s: 12.5 and 1.25 GB/s.
+- Ethernet 1 Gb/s (1000BASE-T, IEEE 802.3ab): 0.125 GB/s, the office or cloud network between
+  machines that lesson 13 (training across a slow network) projects onto.
 
 Latencies (alpha): the time of a small (8-byte) all-reduce as nccl-tests shows it, an order of
 magnitude and not a specification: about 10 us inside an NVLink node, 20 us over PCIe,
@@ -56,6 +58,7 @@ PRESETS: dict[str, Interconnect] = {
     "infiniband-hdr": Interconnect("InfiniBand HDR 200 Gb/s", 200.0, "Gb/s", 30.0),
     "ethernet-100g": Interconnect("Ethernet 100 Gb/s", 100.0, "Gb/s", 50.0),
     "ethernet-10g": Interconnect("Ethernet 10 Gb/s", 10.0, "Gb/s", 100.0),
+    "ethernet-1g": Interconnect("Ethernet 1 Gb/s", 1.0, "Gb/s", 100.0),
 }
 
 # Nominal per-direction bandwidths, in GB/s, by preset name.

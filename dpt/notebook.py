@@ -23,7 +23,7 @@ def use_lesson(lesson: str, default_tree: str = "exercises") -> Path:
         raise FileNotFoundError(f"{folder} does not exist; set DPT_TARGET to a lesson tree")
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    if str(REPO_ROOT) not in sys.path:  # the course's `benchmarks` package (lesson 13 reads it)
+    if str(REPO_ROOT) not in sys.path:  # the course's `benchmarks` package (lesson 14 reads it)
         sys.path.append(str(REPO_ROOT))
     os.environ.setdefault("TQDM_MININTERVAL", "5")
     _autoreload()

@@ -70,6 +70,17 @@ def _raised(exc: BaseException) -> tuple[str, str, str]:
     return traceback.format_exc(), type(exc).__name__, message
 
 
+def process_context():
+    """The multiprocessing context the ranks are started from: a fork server that has
+    already imported torch (``DPT_MP_START`` picks another start method).
+
+    For code that starts and watches its own processes, where :func:`run_distributed`'s
+    rule (one rank dies, every rank is stopped) is not wanted: lesson 13's supervisor keeps
+    the survivors of a death running and starts a replacement beside them.
+    """
+    return _context()
+
+
 def _context():
     global _CTX
     if _CTX is None:

@@ -20,7 +20,8 @@ PACKAGES = {"05_ddp_from_scratch": "tests.l05_ddp_from_scratch",
             "09_fsdp": "tests.l09_fsdp",
             "10_inside_a_step": "tests.l10_inside_a_step",
             "11_time_to_accuracy": "tests.l11_time_to_accuracy",
-            "12_step_cost": "tests.l12_step_cost"}
+            "12_step_cost": "tests.l12_step_cost",
+            "13_local_sgd": "tests.l13_local_sgd"}
 
 
 def generated(lesson: str) -> types.ModuleType:

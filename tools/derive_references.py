@@ -35,7 +35,9 @@ LESSONS = {"05_ddp_from_scratch": ("tests/l05_ddp_from_scratch",
            "11_time_to_accuracy": ("tests/l11_time_to_accuracy",
                                    ("global_batch", "sync_bn", "lr_scaling", "large_batch")),
            "12_step_cost": ("tests/l12_step_cost",
-                            ("flops", "bandwidth", "crossover", "memory_calc"))}
+                            ("flops", "bandwidth", "crossover", "memory_calc")),
+           "13_local_sgd": ("tests/l13_local_sgd",
+                            ("local_sgd", "diloco", "streaming", "compress", "fault_tolerance"))}
 NAME = "_references.py"
 
 

@@ -310,5 +310,5 @@ with needs_tasks("09.17", "09.18", "09.19", "09.20", "09.21", "09.23"):
 # - FSDP2 with meta-device initialisation, mixed precision and prefetch, and DCP checkpoints
 #   that resume at any world size.
 #
-# `make benchmark` times `fsdp_by_hand_bf16` and `fsdp2_bf16` from 1 to N ranks (lesson 13
+# `make benchmark` times `fsdp_by_hand_bf16` and `fsdp2_bf16` from 1 to N ranks (lesson 14
 # reads the results).

@@ -434,4 +434,4 @@ with needs_tasks("10.15"):
 #   fix makes every rank call the same collectives (or lets `Join` shadow the missing ones).
 #
 # `make benchmark` times `ddp_compiled`, `ddp_bf16_hook` and `ddp_powersgd` beside `ddp_spawn`
-# (lesson 13 reads the results).
+# (lesson 14 reads the results).

@@ -359,7 +359,7 @@ with needs_tasks("12.8", "12.9", "12.10"):
 # - A step's FLOPs are counted, not guessed: 2 per multiply-add, the backward about twice the
 #   forward, 6·N·tokens for a transformer whose sequence is short next to its width.
 # - MFU needs a stated peak: a datasheet's for the dtype on a GPU, a matmul probe on a CPU.
-#   `make benchmark` prints it for every method (lesson 13 reads it).
+#   `make benchmark` prints it for every method (lesson 14 reads it).
 # - busbw, not the time, is what compares across N and against the link.
 # - ZeRO trades memory for traffic: stages 1 and 2 send what DDP sends, stage 3 half as much
 #   again; a rank's traffic does not shrink as N grows.

@@ -244,4 +244,4 @@ with needs_tasks():
 # `make benchmark` now also trains to a target accuracy at N=1 and at the largest N, with
 # the lr scaled linearly. It reports the wall time to the target as a ratio with its
 # interval, beside the throughput speedup, and checks, as MLPerf does, that the N-rank run
-# needs no more epochs than one rank, within a stated margin. Lesson 13 reads it.
+# needs no more epochs than one rank, within a stated margin. Lesson 14 reads it.

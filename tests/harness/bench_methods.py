@@ -47,3 +47,27 @@ def fast_step(ctx):
         return 0.0
 
     return step
+
+
+# A fake clock (seconds) that the harness's own test reads in place of time.perf_counter
+CLOCK = [0.0]
+
+
+@method("round_of_4", "a call is a round of 4 inner steps of 1 s and a sync of 2 s on a fake "
+        "clock (test only)")
+def round_of_4(ctx):
+    def inner_steps():
+        CLOCK[0] += 4 * 1.0
+        return 0.0
+
+    def round_():
+        inner_steps()
+        CLOCK[0] += 2.0  # the sync
+        return 0.0
+
+    return round_, {"inner_steps": 4, "compute_step": inner_steps}
+
+
+@method("bad_inner_steps", "says a call is half a step (test only)")
+def bad_inner_steps(ctx):
+    return (lambda: 0.0), {"inner_steps": 0.5}

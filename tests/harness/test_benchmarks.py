@@ -1008,3 +1008,31 @@ def test_quick_on_an_8_gpu_machine_plans_and_keeps_under_5_minutes(
         assert any("time budget" in r.get("error", "") for r in recs)
         assert "time budget" in out.err
     assert result["cost_model"]["source"] == "measured"
+
+
+def test_a_round_of_h_inner_steps_is_timed_per_inner_step_and_its_sync_is_the_difference(
+        monkeypatch):
+    """Lesson 13's methods time a round (H optimizer steps, then one sync) per call: a step
+    time per call would make LocalSGD at H = 8 look 8 times slower than DDP."""
+    import types
+    from dataclasses import asdict
+
+    import benchmarks.run
+    from benchmarks.run import Config, bench_rank
+    from tests.harness import bench_methods
+
+    monkeypatch.setenv("DPT_BENCH_EXTRA", "tests.harness.bench_methods")
+    clock = bench_methods.CLOCK
+    monkeypatch.setattr(benchmarks.run, "time",
+                        types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cfg = asdict(Config(steps=6, repeats=2, warmup=2, pin=False, min_repeat_s=0.0))
+    out = bench_rank(0, 1, "round_of_4", cfg)
+    # A round on the fake clock: 4 inner steps of 1 s, then a sync of 2 s
+    assert out["step_times"] == [1.5, 1.5], (
+        f"step times {out['step_times']}: a call of a method with extras['inner_steps'] = 4 "
+        "is 4 optimizer steps; divide its time by 4 (6 s a round / 4 = 1.5 s a step)")
+    assert out["compute_s"] == 1.0 and out["inner_steps"] == 4, (
+        f"compute {out.get('compute_s')} s, inner_steps {out.get('inner_steps')}: the round "
+        "without its sync is 4 s, 1 s a step, and the record says it timed rounds of 4")
+    with pytest.raises(ValueError, match=r"inner_steps.*whole number"):
+        bench_rank(0, 1, "bad_inner_steps", cfg)

@@ -307,8 +307,8 @@ def _third_party_imports() -> dict[str, str]:
 
 
 # Imported behind a check that skips or falls back without them: the site's browser test, the
-# optional apex comparison of lesson 06.
-OPTIONAL_IMPORTS = {"selenium", "apex"}
+# optional apex comparison of lesson 06, lesson 13's torchft job (Linux x86_64 wheels only).
+OPTIONAL_IMPORTS = {"selenium", "apex", "torchft"}
 
 
 def test_the_required_items_need_every_module_the_course_imports():

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Lesson 13: reading the benchmark
+# # Lesson 14: reading the benchmark
 #
 # `make benchmark` runs every method the lessons registered at N = 1, 2, 4, ... ranks, in
 # interleaved rounds, and writes `benchmarks/runs/<time>/results.json` (a folder git ignores;
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dpt.notebook import use_lesson
 
-use_lesson("13_benchmarks")
+use_lesson("14_benchmarks")
 from dpt.data import REPO_ROOT
 
 import matplotlib.pyplot as plt
