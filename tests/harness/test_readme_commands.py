@@ -197,6 +197,26 @@ EXPECT: dict[str, list[Expect]] = {
                "Llama-3.1-8B: 499 ms, 69 ms over NVLink 4 hidden from 846 tokens; 1,136 ms "
                "over PCIe with 804 exposed, hidden from 14,003"),
     ],
+    "13_local_sgd": [
+        Expect("streaming.py --nproc 3",
+               r"(?m)^\s*Streaming, F=3\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s.*\n"
+               r"^\s*DiLoCo \(F=1\)\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s",
+               lambda g: g == [12, 33280, 399360, 4, 99840, 399360],
+               "peak per sync 33,280 bytes against DiLoCo's 99,840, the same total 399,360"),
+        Expect("compress.py --nproc 3",
+               r"(?m)^\s*fp32\s+all_reduce\s+([\d,]+)\s+\S+\s+([\d,]+)\s.*\n"
+               r"^\s*fp16\s+all_reduce\s+([\d,]+)\s+\S+\s+([\d,]+)\s.*\n"
+               r"^\s*bf16\s+all_reduce\s+([\d,]+)\s+\S+\s+([\d,]+)\s.*\n"
+               r"^\s*int8\s+all_gather\s+([\d,]+)\s+\S+\s+([\d,]+)\s",
+               lambda g: g == [407080, 542773, 203540, 271387, 203540, 271387, 103362, 206724],
+               "payload 407,080 / 203,540 / 103,362; on the wire 542,773, 271,387, 206,724"),
+        Expect("supervisor.py --policy ft",
+               r"steps lost \(ft\): (\d+) replica-steps.*final weights equal on every replica: "
+               r"yes",
+               lambda g: g == [2], "the survivors lose 2 replica-steps; all final weights equal"),
+        Expect("supervisor.py --policy restart", r"steps lost \(restart\): (\d+) replica-steps",
+               lambda g: g == [14], "14 replica-steps lost"),
+    ],
 }
 
 
