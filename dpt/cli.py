@@ -92,6 +92,25 @@ def validate(args: argparse.Namespace) -> None:
                          f"clipping; got {args.clip}")
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated integers of at least 1 (``"1,8,32"``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
+    return values
+
+
+def check_averaging_ranks(nproc: int) -> None:
+    """One rank has nothing to average with: refuse ``--nproc`` below 2 in one line."""
+    if nproc < 2:
+        raise ValueError(f"--nproc must be at least 2 (one rank has nothing to average), "
+                         f"got {nproc}")
+
+
 def deterministic(on: bool = True) -> None:
     """Ask torch for deterministic kernels: cuDNN picks none of its nondeterministic
     algorithms, cuBLAS gets a fixed workspace. The CPU kernels used here already are."""

@@ -58,6 +58,8 @@ import torch.distributed as dist
 from local_sgd import CommCounter, LocalSGD, PeriodicSync
 from torch import nn
 
+from dpt.cli import check_averaging_ranks
+
 OUTER_LR = 0.7  # DiLoCo's outer Nesterov SGD (arXiv 2311.08105; OpenDiLoCo, torchft)
 OUTER_MOMENTUM = 0.9
 
@@ -186,9 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120)
     args = ap.parse_args(argv)
     try:
-        if args.nproc < 2:
-            raise ValueError(f"--nproc must be at least 2 (one rank has nothing to "
-                             f"average), got {args.nproc}")
+        check_averaging_ranks(args.nproc)
         if args.steps < 1 or args.per_rank < 1 or args.sync_every < 1:
             raise ValueError("--steps, --per-rank and --sync-every must be at least 1")
         if args.steps % args.sync_every:

@@ -62,6 +62,8 @@ import torch.nn.functional as F
 from diloco import DiLoCo
 from local_sgd import CommCounter, LocalSGD
 
+from dpt.cli import check_averaging_ranks, positive_ints
+
 DATASET = "fashion-mnist"
 LR = 1e-3  # AdamW, every configuration's (inner) optimizer
 DEFAULT = {"hs": [1, 8, 32, 128], "seeds": 3, "steps": 768}
@@ -314,14 +316,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
-    return sorted(set(values))
+    return sorted(set(positive_ints(text)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,9 +345,7 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
     for key in ("hs", "seeds", "steps"):
         if getattr(args, key) is None:
             setattr(args, key, base[key])
-    if args.nproc < 2:
-        raise ValueError(f"--nproc must be at least 2 (one rank has nothing to average), "
-                         f"got {args.nproc}")
+    check_averaging_ranks(args.nproc)
     for flag in ("seeds", "steps", "per_rank", "eval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, "

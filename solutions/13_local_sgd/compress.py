@@ -54,6 +54,8 @@ import local_sgd  # the lesson's sibling, by module name: flat, unflat_, average
 import torch
 import torch.distributed as dist
 
+from dpt.cli import check_averaging_ranks
+
 BLOCK = 256  # values per int8 scale (a block of 256 fp32 values: 1 KB -> 260 bytes)
 CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -206,9 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120)
     args = ap.parse_args(argv)
     try:
-        if args.nproc < 2:
-            raise ValueError(f"--nproc must be at least 2 (one rank has nothing to "
-                             f"average), got {args.nproc}")
+        check_averaging_ranks(args.nproc)
         if args.numel < 1 or args.block < 1:
             raise ValueError("--numel and --block must be at least 1")
         from dpt.ranks import run_distributed

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpt.cli import check_averaging_ranks, positive_ints
+
 # --- given: counting the bytes of the collectives --------------------------------------------------
 
 _COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast")
@@ -301,17 +303,6 @@ def compare_worker(rank: int, world_size: int, steps: int, per_rank: int, lr: fl
     return out
 
 
-def positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers of at least 1, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=3, help="ranks (gloo on the CPU)")
@@ -323,9 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120)
     args = ap.parse_args(argv)
     try:
-        if args.nproc < 2:
-            raise ValueError(f"--nproc must be at least 2 (one rank has nothing to "
-                             f"average), got {args.nproc}")
+        check_averaging_ranks(args.nproc)
         if args.steps < 1 or args.per_rank < 1:
             raise ValueError("--steps and --per-rank must be at least 1")
         if not args.lr > 0:

@@ -60,6 +60,8 @@ import local_sgd  # 13.1's average_, CommCounter, PeriodicSync
 import torch
 from torch import nn
 
+from dpt.cli import check_averaging_ranks
+
 OUTER_LR = diloco.OUTER_LR
 OUTER_MOMENTUM = diloco.OUTER_MOMENTUM
 
@@ -242,9 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120)
     args = ap.parse_args(argv)
     try:
-        if args.nproc < 2:
-            raise ValueError(f"--nproc must be at least 2 (one rank has nothing to "
-                             f"average), got {args.nproc}")
+        check_averaging_ranks(args.nproc)
         for name in ("blocks", "width", "fragments", "sync_every", "steps", "per_rank"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
