@@ -46,6 +46,19 @@ def _tokens(ctx: BenchContext):
                        seed=ctx.seed * 100003 + ctx.rank, device=ctx.device)
 
 
+def _step_flops(per_rank_batch: int) -> int:
+    """The TinyTransformer's model FLOPs of one step at this batch (for the methods' MFU),
+    counted on the meta device like the harness's own model."""
+    from dpt.flops import step_flops
+    from dpt.models import TinyTransformer, token_batch
+
+    x, _ = token_batch(per_rank_batch, CONFIG["seq_len"], CONFIG["vocab"], seed=0)
+    return step_flops(TinyTransformer(**CONFIG).to("meta"), x.to("meta"))
+
+
+FLOPS = {"step_flops": _step_flops, "flops_model": "TinyTransformer"}
+
+
 def _needs_group(name: str) -> None:
     if not dist.is_initialized():
         raise RuntimeError(f"{name} needs a process group (the harness makes one)")
@@ -95,7 +108,8 @@ def _hand_fsdp(ctx: BenchContext):
 
 
 @method("fsdp_by_hand_bf16", "lesson 09's FSDP by hand, bf16 compute and gathers (fp16 on a "
-        "GPU of compute capability below 8, noted), fp32 master shards and gradient reduction")
+        "GPU of compute capability below 8, noted), fp32 master shards and gradient reduction",
+        **FLOPS)
 def fsdp_by_hand_bf16(ctx: BenchContext):
     return _hand_fsdp(ctx)
 
@@ -129,7 +143,7 @@ def sixteen_bit_policy(dtype: torch.dtype):
 
 @method("fsdp2_bf16", "FSDP2 fully_shard per block, MixedPrecisionPolicy(bf16 params, fp32 "
         "reduce; fp16 params on a GPU of compute capability below 8, noted), explicit "
-        "prefetch, meta-device init")
+        "prefetch, meta-device init", **FLOPS)
 def fsdp2_bf16(ctx: BenchContext):
     build_sharded = load("09_fsdp", "fsdp2_practice", "solutions").build_sharded
 

@@ -129,18 +129,27 @@ class Method:
     max_procs: int | None = None
     launcher: str = "spawn"  # "spawn": dpt.ranks.run_distributed; "torchrun": torchrun
     quick: bool = True  # part of --quick when --methods is not given
+    # A method that trains a model of its own (not --model): the model FLOPs of one step at a
+    # per-rank batch, for its MFU (benchmarks.run.add_mfu), and the model's name
+    step_flops: Callable[[int], int] | None = None
+    flops_model: str | None = None
 
 
 REGISTRY: dict[str, Method] = {}
 
 
 def method(name: str, description: str, requires: tuple[str, ...] = (), min_procs: int = 1,
-           max_procs: int | None = None, launcher: str = "spawn", quick: bool = True):
+           max_procs: int | None = None, launcher: str = "spawn", quick: bool = True,
+           step_flops: Callable[[int], int] | None = None, flops_model: str | None = None):
     """Register a benchmark method (see the module docstring).
 
     ``launcher="torchrun"`` starts the ranks with torchrun (``benchmarks/torchrun_worker.py``)
     instead of the harness's own process starter; the timing is the same code either way.
+    ``step_flops(per_rank_batch)`` and ``flops_model``: for a method that trains its own model
+    instead of ``--model``, that model's FLOPs a step and its name, so its MFU counts them.
     """
+    if (step_flops is None) != (flops_model is None):
+        raise ValueError("give step_flops and flops_model together")
     if launcher not in ("spawn", "torchrun"):
         raise ValueError(f"launcher must be 'spawn' or 'torchrun', not {launcher!r}")
 
@@ -148,7 +157,8 @@ def method(name: str, description: str, requires: tuple[str, ...] = (), min_proc
         if name in REGISTRY:
             raise ValueError(f"benchmark method {name!r} is registered twice")
         REGISTRY[name] = Method(name, description, fn, tuple(requires), min_procs,
-                                fn.__module__.rsplit("_", 1)[-1], max_procs, launcher, quick)
+                                fn.__module__.rsplit("_", 1)[-1], max_procs, launcher, quick,
+                                step_flops, flops_model)
         return fn
 
     return wrap

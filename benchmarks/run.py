@@ -79,7 +79,7 @@ from benchmarks.costmodel import (
     default_interconnect,
     fit_ring,
 )
-from benchmarks.registry import BenchContext, load_all
+from benchmarks.registry import REGISTRY, BenchContext, load_all
 from benchmarks.time_to_accuracy import TTAConfig
 
 HERE = Path(__file__).resolve().parent
@@ -429,6 +429,9 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
 
             if importlib.util.find_spec("lightning_fabric") is None:
                 return "needs Lightning (pip install pytorch-lightning)"
+            if device == "cuda" and n > gpus:  # DPT_SHARE_GPU=1: ranks share the GPUs
+                return (f"needs {n} CUDA GPUs: Lightning's ddp gives each rank a GPU of its "
+                        f"own, and N={n} ranks would share {gpus}")
         if r == "compiler":  # torch.compile's inductor backend for the ranks' device
             from dpt.device import compiler_problem
 
@@ -788,7 +791,15 @@ def add_mfu(records: list[dict], model_name: str, device_type: str, threads: int
         if dtype not in peaks:
             peaks[dtype] = peak_fn(device_type, dtype, threads, probe)
         peak, label = peaks[dtype]
-        flops = flops_fn(model_name, r["per_rank_batch"], cache)
+        own = REGISTRY.get(r.get("method"))
+        if own is not None and own.step_flops is not None:  # it trains a model of its own
+            key = (own.flops_model, r["per_rank_batch"])
+            if key not in cache:
+                cache[key] = own.step_flops(r["per_rank_batch"])
+            flops = cache[key]
+            r["flops_model"] = own.flops_model
+        else:
+            flops = flops_fn(model_name, r["per_rank_batch"], cache)
         per_sample = flops / r["per_rank_batch"]
         devices = r.get("devices") or r["nprocs"]
         r.update(compute_dtype=dtype, flops_per_step=flops, flops_per_sample=per_sample,
@@ -802,11 +813,13 @@ def add_mfu(records: list[dict], model_name: str, device_type: str, threads: int
         seen = r.get("flops_seen")
         if seen and abs(seen - flops) > 0.1 * flops:
             r.setdefault("notes", []).append(
-                f"MFU counts the model's {flops / 1e9:.3g} GFLOP a step; rank 0's own step "
+                f"MFU counts {r.get('flops_model', 'the model')}'s {flops / 1e9:.3g} GFLOP a "
+                f"step; rank 0's own step "
                 f"computed {seen / 1e9:.3g} (recomputation, another model, or work on other "
                 "threads)")
     return {"model": model_name, "device": device_type,
-            "flops": (f"model FLOPs per step: forward + backward of {model_name!r} at the "
+            "flops": (f"model FLOPs per step: forward + backward of {model_name!r} (or of "
+                      "the model a method trains instead, named in its record) at the "
                       "per-rank batch, counted by FlopCounterMode (dpt.flops.step_flops); no "
                       "optimizer, communication or recomputation"),
             "peaks": {d: {"tflops": p / 1e12, "label": lab} for d, (p, lab) in peaks.items()}}

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from dpt.checkpoint import CheckpointError
 from dpt.data import MNIST, DataError, add_dataset_argument, check_batch_size
 from dpt.device import DEVICE_CHOICES, DeviceError, pick_device, shares_gpu
-from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port
+from dpt.dist import DEFAULT_TIMEOUT_S, LaunchError, find_free_port, port_taken
 from dpt.errors import one_line, report_error
 from dpt.models import MODELS
 from dpt.precision import check_request
@@ -182,9 +182,7 @@ def rank_errors(who: str):
     try:
         yield
     except (*EXPECTED, dist.DistError) as exc:
-        text = str(exc).lower()
-        if os.environ.get(_PORT_CHOSEN) == "1" and ("failed to listen" in text
-                                                    or "address already in use" in text):
+        if os.environ.get(_PORT_CHOSEN) == "1" and port_taken(exc):
             sys.exit(PORT_TAKEN)  # the launcher picked this port: it picks another and retries
         print(f"error: {who}: {one_line(exc)}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -268,8 +266,7 @@ def _port_taken(exc: BaseException) -> bool:
 
     if isinstance(exc, mp.ProcessExitedException):
         return exc.exit_code == PORT_TAKEN
-    text = str(exc).lower()
-    return "failed to listen" in text or "address already in use" in text
+    return port_taken(exc)
 
 
 def with_free_port(launch: Callable[[argparse.Namespace], object]

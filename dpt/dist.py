@@ -45,6 +45,13 @@ class TorchrunEnv:
     restart_count: int  # 0 on the first attempt, then 1, 2, ... after each elastic restart
 
 
+def port_taken(exc: BaseException) -> bool:
+    """Whether joining a process group failed because rank 0 could not listen on its port
+    (another process took the free port :func:`find_free_port` found before rank 0 bound it)."""
+    text = str(exc).lower()
+    return "failed to listen" in text or "address already in use" in text or "eaddrinuse" in text
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """Ask the OS for a port nobody is listening on (bind to port 0, read it, release it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -358,6 +365,36 @@ def device_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(rank_device().type, (dist.get_world_size(),))
+
+
+def gathers_for_shared_gpu(force: bool = False):
+    """A context for gathering DTensors (``full_tensor``, ``get_model_state_dict`` with
+    ``full_state_dict=True``) while ranks share a GPU over gloo; a no-op otherwise.
+
+    DTensor gathers with the functional ``all_gather_into_tensor``, which gloo runs as a
+    coalesced all-gather with no CUDA path: gloo copies from the device pointer as if it were
+    host memory and the rank dies of SIGSEGV (torch 2.11 on an H200, lessons 08 and 09). Its
+    ``_out`` form runs gloo's plain all-gather, which stages CUDA tensors through host memory,
+    as FSDP2's own gathers do. Inside this context every such gather of a CUDA tensor takes
+    that form. ``force``: on every device (a test on the CPU).
+    """
+    if not (force or shares_gpu()):
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    gather_out = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+
+    class _StagedGathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is gather and (force or args[0].is_cuda):
+                inp, group_size, group_name = args
+                out = inp.new_empty((inp.shape[0] * group_size, *inp.shape[1:]) if inp.dim()
+                                    else (group_size,))
+                return gather_out(inp, group_size, group_name, out=out)
+            return func(*args, **(kwargs or {}))
+
+    return _StagedGathers()
 
 
 def get_rank() -> int:

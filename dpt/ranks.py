@@ -37,9 +37,19 @@ from typing import Any, NamedTuple
 import torch
 
 from dpt.device import SHARE_GPU_VAR, gpu_for, shares_gpu
-from dpt.dist import find_free_port
+from dpt.dist import find_free_port, port_taken
 
 _CTX = None
+# A free port found here (bind to port 0, release) is bound by rank 0 a moment later; another
+# process can take it in between. Rank 0 then reports PORT_TAKEN before fn runs, and
+# run_distributed starts every rank again on a new port, PORT_TRIES times at most.
+PORT_TAKEN = "port taken"
+PORT_TRIES = 3
+
+
+class _PortTaken(Exception):
+    pass
+
 
 
 class RankFailure(RuntimeError):
@@ -212,6 +222,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     sys.stdout = sys.stderr = log
     stack_file = open(stack_path, "w")  # noqa: SIM115
     faulthandler.dump_traceback_later(hang_after, exit=True, file=stack_file)
+    # A crash in C++ (a segfault in a collective, say) kills the rank before it can report:
+    # its Python stack then goes to its log, which the parent shows.
+    faulthandler.enable(file=log)
     os.environ.update(env)
     _thread_lock_for_progress_bars()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -228,15 +241,21 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
             gpu = rank_cuda_device(rank, backend)
             if gpu is not None:
                 torch.cuda.set_device(gpu)
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=max(hang_after, 5)),
-                                    device_id=gpu if backend == "nccl" else None)
+            try:
+                dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                        timeout=timedelta(seconds=max(hang_after, 5)),
+                                        device_id=gpu if backend == "nccl" else None)
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if rank == 0 and port_taken(exc):  # before fn ran: the parent tries a new port
+                    status, payload = PORT_TAKEN, str(exc)
+                raise
         result = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(result, buf)
         payload = buf.getvalue()
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
-        status, payload = "error", _raised(exc)
+        if status != PORT_TAKEN:
+            status, payload = "error", _raised(exc)
     try:
         conn.send((status, payload))
     finally:
@@ -270,6 +289,8 @@ def _other_errors(pending: dict, world_size: int, grace: float = 2.0) -> list[Ra
                 status, payload = conn.recv()
             except EOFError:
                 continue
+            if status == PORT_TAKEN:  # the first failure followed from it: start again
+                raise _PortTaken(payload)
             if status == "error":
                 text, kind, message = payload
                 found.append(RankFailure(text, rank=rank, world_size=world_size, kind=kind,
@@ -311,8 +332,23 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
         if where.shared and not shares_gpu():  # more ranks than GPUs: they share them
             env = {**env, SHARE_GPU_VAR: "1"}
             _say_shared(world_size)
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _launch(fn, world_size, args, kwargs, timeout, backend, threads, env, echo,
+                           find_free_port())
+        except _PortTaken as exc:
+            if attempt == PORT_TRIES:
+                raise RankFailure(f"rank 0 could not listen on {PORT_TRIES} free ports in a "
+                                  f"row (another program takes them): {exc}", rank=0,
+                                  world_size=world_size, kind="DistNetworkError",
+                                  message=str(exc)) from None
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict | None, timeout: float,
+            backend: str | None, threads: int, env: dict[str, str], echo: bool,
+            port: int) -> list[Any]:
+    """One start of :func:`run_distributed`'s ranks, rank 0 listening on ``port``."""
     ctx = _context()
-    port = find_free_port()
     tmp = Path(tempfile.mkdtemp(prefix="dpt-ranks-"))
     hang_after = max(1.0, timeout - 1.5)  # ranks dump their stacks just before we give up
     procs, conns, logs, stacks = [], [], [], []
@@ -335,11 +371,16 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
             procs[rank].join(timeout=2)
             _kill(procs)
             stack = _tail(stacks[rank], 60)
+            code = procs[rank].exitcode
             what = "hung and was stopped" if stack else (
-                f"died with exit code {procs[rank].exitcode} before reporting")
+                f"died with exit code {code} before reporting" + (
+                    f" (killed by {signal.Signals(-code).name}: a crash below Python; its "
+                    "Python stack, if any, is in its output)"
+                    if code is not None and code < 0 and -code in signal.valid_signals()
+                    else ""))
             why = f"{what}; its stack:\n{stack}" if stack else what
             return RankFailure(f"rank {rank} of {world_size} {why}\n"
-                               f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}",
+                               f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank], 60)}",
                                rank=rank, world_size=world_size, message=what,
                                traceback=stack or None)
 
@@ -362,10 +403,15 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
                     if status == "ok":
                         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                         continue
+                    if status == PORT_TAKEN:
+                        _kill(procs)
+                        raise _PortTaken(payload)
                     if status == "error":
                         text, kind, message = payload
-                        others = _other_errors(pending, world_size)
-                        _kill(procs)
+                        try:
+                            others = _other_errors(pending, world_size)
+                        finally:
+                            _kill(procs)
                         raise RankFailure(
                             f"rank {rank} of {world_size} failed:\n{text}\n"
                             f"--- rank {rank} output (last lines) ---\n{_tail(logs[rank])}"

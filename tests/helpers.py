@@ -23,6 +23,13 @@ from tests.lessons import REPO
 _STUB = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?: .*)")
 
 
+# torch's PowerSGD hook (2.11 to 2.14 at least) calls torch.cuda.synchronize(bucket device)
+# whenever CUDA is available: on a GPU machine, ranks computing on the CPU (the suite's gloo
+# ranks) fail there with "Expected a cuda device, but got: cpu". Ranks started with this
+# environment see no GPU, as on a CPU machine (read when they first ask, after the fork).
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
 def rank_part(fn, *args, **kwargs):
     """On a rank: ``fn(*args, **kwargs)``, or ``{"error": one line, "trace": its traceback}``
     when it raises, so that one part of a multi-check run fails its own test, not the whole

@@ -507,6 +507,8 @@ def launch(item: Item, cores: list[int], log: Path) -> subprocess.Popen:
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                         os.environ.get("PYTHONPATH")])),
                **item.env)
+    if not item.required:  # a failed lesson item's log shows the rank's whole traceback
+        env.setdefault("DPT_TRACEBACK", "1")  # (the suite's own tests check the one line)
 
     def pin() -> None:  # the item's ranks size their threads from the cores they see
         if cores and hasattr(os, "sched_setaffinity"):

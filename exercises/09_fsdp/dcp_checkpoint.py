@@ -45,7 +45,7 @@ from dpt.checkpoint import (
     load,
     reading_checkpoint,
 )
-from dpt.dist import barrier, get_rank
+from dpt.dist import barrier, gathers_for_shared_gpu, get_rank
 from dpt.models import TinyTransformer
 
 
@@ -101,7 +101,8 @@ def train_worker(rank: int, world_size: int, steps: int = 6, seed: int = 0,
         start = save_at
     losses += train_steps(model, optimizer, range(start, steps), seed)
     if export:
-        export_full(model, export)
+        with gathers_for_shared_gpu():  # gloo's gathers of CUDA tensors (ranks sharing a GPU)
+            export_full(model, export)
     return {"rank": rank, "start": start if resume else 0, "losses": losses}
 
 

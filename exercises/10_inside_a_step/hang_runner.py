@@ -104,11 +104,21 @@ def flight_text(rank: int) -> str:
 
 def last_stack(text: str, rank: int) -> str:
     """The last of faulthandler's dumps in ``text``: its main thread, cut where the runner
-    called the case."""
+    called the case.
+
+    A dump lists every thread that Python knows, newest first; on a GPU machine torch's own
+    threads come before the main one (with "<no Python frame>"), so the main thread is the one
+    that runs the case (``_rank_main``), else the first with a Python frame.
+    """
     dumps = [d for d in text.split("Timeout (") if d.strip()]
     if not dumps:
         return f"rank {rank}: no stack (it never waited {STACK_EVERY_S} s)"
-    lines = dumps[-1].strip().split("\n\n")[0].splitlines()[1:]  # without "0:00:00.5)!"
+    threads = [block.splitlines() for block in dumps[-1].strip().split("\n\n")]
+    threads[0] = threads[0][1:]  # without "0:00:00.5)!"
+    framed = [t for t in threads if any(line.strip().startswith("File ") for line in t)]
+    main = next((t for t in framed if any("in _rank_main" in line for line in t)),
+                framed[0] if framed else threads[0])
+    lines = main
     cut = next((i for i, line in enumerate(lines) if "in _rank_main" in line), len(lines))
     return "\n".join([f"rank {rank}'s stack, the last of {len(dumps)} dumps:", *lines[:cut]])
 

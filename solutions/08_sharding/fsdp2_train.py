@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from zero_accounting import measure_bytes
 
-from dpt.dist import device_mesh, rank_device
+from dpt.dist import device_mesh, gathers_for_shared_gpu, rank_device
 from dpt.models import build_model
 
 
@@ -145,9 +145,13 @@ def train_worker(rank: int, world_size: int, mode: str = "fsdp2", steps: int = 5
         dist.all_reduce(mean)
         mean /= world_size
     memory = measure_bytes(model, optimizer)
-    state = full_state_dict(model) if mode == "fsdp2" else (
-        {k: v.detach().cpu().clone() for k, v in getattr(model, "module", model).state_dict().items()}
-        if rank == 0 else {})
+    if mode == "fsdp2":
+        with gathers_for_shared_gpu():  # gloo's gathers of CUDA tensors (ranks sharing a GPU)
+            state = full_state_dict(model)
+    else:
+        state = (
+            {k: v.detach().cpu().clone() for k, v in getattr(model, "module", model).state_dict().items()}
+            if rank == 0 else {})
     if save and rank == 0:
         from dpt.checkpoint import atomic_save
         atomic_save(state, save)

@@ -295,7 +295,8 @@ def train_worker(rank: int, world_size: int, hook: str = "none", seed: int = 0,
     if hook == "none":  # DDP's C++ all-reduce: count the same buckets through a Python hook
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         with AllReduceCounter() as counter:
-            F.cross_entropy(ddp(xb), yb).backward()
+            # a batch of the last epoch (the loop may have fetched one more, on the CPU, and broken)
+            F.cross_entropy(ddp(xb.to(device)), yb.to(device)).backward()
         optimizer.zero_grad(set_to_none=True)
         step_bytes = [counter.bytes] * len(step_bytes)  # every step sends the same buckets
     return {"rank": rank, "hook": hook, "seed": seed, "steps": total_steps, "losses": losses,

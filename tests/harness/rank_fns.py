@@ -95,3 +95,53 @@ def progress_bar_rank(rank, world_size):
     from tqdm import tqdm
 
     return sum(tqdm(range(3), disable=False))
+
+
+def segfault_on_rank_1(rank, world_size):
+    """A crash below Python (as a collective reading device memory as host memory does)."""
+    if rank == 1:
+        import ctypes
+        import faulthandler
+
+        faulthandler._sigsegv()  # noqa: SLF001 - the documented way to test a crash
+        ctypes.string_at(0)
+    return rank
+
+
+def cuda_seen(rank, world_size):
+    import os
+
+    import torch
+
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "available": torch.cuda.is_available(), "count": torch.cuda.device_count()}
+
+
+def full_state_dict_through_staged_gathers(rank, world_size):
+    """FSDP2 on gloo, its full state dict gathered inside dpt.dist.gathers_for_shared_gpu
+    (forced on the CPU); returns the state dict and the collective ops that ran."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dpt.dist import device_mesh, gathers_for_shared_gpu
+
+    class Seen(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d" in str(func):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=device_mesh())
+    fully_shard(model, mesh=device_mesh())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    with Seen() as seen, gathers_for_shared_gpu(force=True):
+        state = get_model_state_dict(model, options=options)
+    return {"state": state, "full": full, "ops": sorted(set(seen.ops))}

@@ -92,6 +92,29 @@ def test_mfu_is_model_flops_per_sample_times_samples_per_s_over_peak_times_devic
                               "bf16": {"tflops": 8.0, "label": "bf16 test peak"}}
 
 
+def test_a_method_that_trains_its_own_model_is_rated_on_that_models_flops():
+    """Lesson 09's methods train a TinyTransformer whatever --model says: their MFU counts its
+    FLOPs (about 20 times the convnet's at the same batch), not the convnet's."""
+    from benchmarks.registry import REGISTRY, load_all
+    from dpt.models import TinyTransformer, token_batch
+
+    load_all()
+    records = [_record("fsdp2_bf16", 2, compute_dtype="bf16"), _record("ddp", 2)]
+    run.add_mfu(records, "convnet", "cuda", 1, peak_fn=_peaks([]))
+    config = sys.modules[REGISTRY["fsdp2_bf16"].factory.__module__].CONFIG
+    x, _ = token_batch(8, config["seq_len"], config["vocab"])
+    own = flops.step_flops(TinyTransformer(**config), x)
+    convnet = run.model_flops_per_step("convnet", 8)
+    assert records[0]["flops_per_step"] == own and records[0]["flops_model"] == "TinyTransformer"
+    assert records[0]["mfu"] == pytest.approx(own / 8 * 400.0 / (8e12 * 2))
+    assert records[1]["flops_per_step"] == convnet and "flops_model" not in records[1]
+    assert own > 5 * convnet
+    # rank 0's step computed what the method's own count says: no note
+    records = [_record("fsdp_by_hand_bf16", 2, compute_dtype="bf16", flops_seen=own)]
+    run.add_mfu(records, "convnet", "cuda", 1, peak_fn=_peaks([]))
+    assert "notes" not in records[0]
+
+
 def test_the_summary_and_the_csv_carry_flops_mfu_and_name_the_peak(monkeypatch):
     text, records = _summary_on_a_faked(monkeypatch, "NVIDIA H200")
     head = next(line for line in text.splitlines() if line.startswith("| method |"))

@@ -363,3 +363,17 @@ def test_without_a_cpp_compiler_inductor_is_refused_in_one_line_and_the_benchmar
             assert unmet_requirement(("compiler",), 1) is None
     finally:
         dpt.device.compiler_problem.cache_clear()
+
+
+def test_lightning_is_skipped_in_the_benchmark_where_ranks_would_share_a_gpu(monkeypatch):
+    """Lightning's ddp gives each rank a GPU of its own: with 2 ranks on one GPU
+    (DPT_SHARE_GPU=1) Fabric refuses ("You requested gpu: [0, 1]"), so the N is skipped."""
+    pytest.importorskip("lightning_fabric")
+    from benchmarks import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(run, "rank_placement", lambda n: ("gloo", "cuda"))
+    why = run.unmet_requirement(("lightning",), 2)
+    assert why is not None and "needs 2 CUDA GPUs" in why and "\n" not in why, why
+    assert run.unmet_requirement(("lightning",), 1) is None

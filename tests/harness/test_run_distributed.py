@@ -99,3 +99,66 @@ def test_a_progress_bar_in_a_rank_leaves_no_leaked_semaphore_warning():
     assert out.returncode == 0, out.stderr
     assert "[3, 3]" in out.stdout
     assert "leaked semaphore" not in out.stderr, out.stderr
+
+
+def test_a_rank_that_segfaults_is_reported_with_the_signal_and_its_python_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_distributed(rank_fns.segfault_on_rank_1, world_size=2, timeout=60)
+    assert time.monotonic() - start < 20
+    message = str(info.value)
+    assert "rank 1 of 2 died" in message and "SIGSEGV" in message
+    assert "segfault_on_rank_1" in message  # faulthandler's stack, from the rank's output
+
+
+def test_a_port_taken_before_rank_0_listens_is_replaced_by_a_new_one(monkeypatch):
+    """find_free_port releases the port it found; another program can bind it before rank 0
+    does. Rank 0 then fails to listen, and every rank starts again on a new port."""
+    import socket
+
+    import dpt.ranks
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real, calls = dpt.ranks.find_free_port, []
+
+    def first_one_taken():
+        calls.append(1)
+        return taken if len(calls) == 1 else real()
+
+    monkeypatch.setattr(dpt.ranks, "find_free_port", first_one_taken)
+    try:
+        results = run_distributed(rank_fns.all_reduce_rank, world_size=2, timeout=60,
+                                  echo=False)
+        assert len(calls) == 2 and all(r["sum"] == 3.0 for r in results)
+        monkeypatch.setattr(dpt.ranks, "find_free_port", lambda: taken)
+        with pytest.raises(RankFailure, match="could not listen on 3 free ports"):
+            run_distributed(rank_fns.all_reduce_rank, world_size=2, timeout=60, echo=False)
+    finally:
+        squatter.close()
+
+
+def test_ranks_started_with_no_gpu_env_see_no_gpu():
+    """tests.helpers.NO_GPU_ENV reaches the ranks before torch first asks for a GPU (on a GPU
+    machine the count would otherwise be its GPUs)."""
+    from tests.helpers import NO_GPU_ENV
+
+    for r in run_distributed(rank_fns.cuda_seen, world_size=2, env=NO_GPU_ENV, echo=False):
+        assert r == {"visible": "", "available": False, "count": 0}
+
+
+def test_staged_gathers_give_the_full_state_dict_through_gloos_plain_all_gather():
+    """dpt.dist.gathers_for_shared_gpu: DTensor's functional all-gather (which gloo runs as a
+    coalesced all-gather with no CUDA path: a SIGSEGV with ranks sharing a GPU) becomes its
+    ``_out`` form, gloo's plain all-gather; the full state dict is the same."""
+    ranks = run_distributed(rank_fns.full_state_dict_through_staged_gathers, world_size=2,
+                            backend="gloo", timeout=90, echo=False)
+    rank0 = ranks[0]
+    assert rank0["state"].keys() == rank0["full"].keys()
+    for key, value in rank0["full"].items():
+        torch.testing.assert_close(rank0["state"][key], value, rtol=0, atol=0)
+    ops = rank0["ops"]
+    assert any("all_gather_into_tensor_out" in op for op in ops), ops
+    assert not any(op.endswith("all_gather_into_tensor.default") for op in ops), ops

@@ -139,6 +139,27 @@ def test_normalise_removes_what_varies_between_runs(hr):
     assert not hr.evidence_found("   ", a)
 
 
+def test_stacks_report_shows_the_main_thread_when_other_threads_come_first(hr):
+    """On a GPU machine faulthandler lists torch's threads (no Python frame) before the main
+    one: the report must show the thread that runs the case, cut above the runner."""
+    dump = ("Timeout (0:00:00.500000)!\n"
+            "Thread 0x00007f502ffff6c0 (most recent call first):\n  <no Python frame>\n\n"
+            "Thread 0x00007f5100000000 (most recent call first):\n"
+            '  File "/x/threading.py", line 331 in wait\n\n'
+            "Thread 0x00007f5200000000 (most recent call first):\n"
+            '  File "/x/hang_clinic.py", line 262 in ddp_step\n'
+            '  File "/x/hang_runner.py", line 150 in _rank_main\n'
+            '  File "/x/ranks.py", line 240 in _worker\n')
+    report = hr.last_stack("Timeout (0:00:00.500000)!\nThread 0x1 (most recent call first):\n"
+                           '  File "/x/old.py", line 1 in old\n' + dump, rank=1)
+    assert "the last of 2 dumps" in report
+    assert "in ddp_step" in report and "no Python frame" not in report
+    assert "threading.py" not in report and "_worker" not in report and "old.py" not in report
+    # without the runner's frame (another caller): the first thread with a Python frame
+    alone = hr.last_stack(dump.replace("_rank_main", "main"), rank=0)
+    assert "in wait" in alone and "no Python frame" not in alone
+
+
 def test_runner_rejects_bad_input_in_one_line(hc, hr):
     with pytest.raises(ValueError, match="unknown case"):
         hc.run_case("nope")

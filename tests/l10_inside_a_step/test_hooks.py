@@ -14,6 +14,7 @@ import torch
 
 from dpt.models import MLP
 from dpt.ranks import run_distributed
+from tests.helpers import NO_GPU_ENV
 from tests.l10_inside_a_step import rank_fns_hooks as rf
 from tests.lessons import load
 
@@ -23,8 +24,10 @@ TIMEOUT = 60
 
 
 def ranks(fn, *args, **kwargs):
+    """The CPU ranks see no GPU: torch's PowerSGD hook fails on CPU tensors where CUDA is
+    available (tests.helpers.NO_GPU_ENV)."""
     return run_distributed(fn, world_size=N, args=args, kwargs=kwargs, timeout=TIMEOUT,
-                           echo=False)
+                           echo=False, env=NO_GPU_ENV)
 
 
 def mlp_sizes():
