@@ -76,7 +76,7 @@ check-readme: setup data-for-tests
 # the untouched stub tree (with and without data), the benchmark harness's runs, the notebooks
 # on partly done trees. Not part of `make test` (marker tools): CI runs it after check-readme.
 check-tools: setup site-setup data-for-tests
-	$(PY) -m pytest -n $(JOBS) -m tools tests/harness tests/l13_local_sgd/test_torchft.py $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(JOBS) -m tools tests/harness tests/l13_local_sgd/test_torchft.py tests/l13_local_sgd/test_fault_bench.py $(PYTEST_ARGS)
 
 # Grading first carries the tree's own earlier answers into the lessons that reuse them (a copy
 # edited by hand is kept and named; grading goes on either way). PYTEST_ARGS=-v: every traceback.

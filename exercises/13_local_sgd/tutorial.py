@@ -276,6 +276,28 @@ with needs_tasks("13.11", "13.12", "13.13"):
     plt.show()
 
 # %% [markdown]
+# `restart` above imitates torchrun: its replicas come back from a fork server that has
+# already imported torch. `benchmarks/bench_l13_fault.py` runs the same job under the real
+# `torchrun --max-restarts=1` (lesson 04's way) beside both policies, three rounds each, and
+# scores all three with your `steps_lost`. The steps lost are the same as the imitation's,
+# and so are the final weights, bit for bit; the idle time is not: the agent has to notice
+# the death, stop the survivors, start three new Python processes and meet again.
+
+# %%
+with needs_tasks():
+    result = json.loads(bench_result("l13_fault.json").read_text())
+
+    def shown(d: dict) -> str:  # mean [95% interval]; one round has no interval
+        return f"{d['mean']:.2f}" + ("" if d["lo"] is None else f" [{d['lo']:.2f}, {d['hi']:.2f}]")
+
+    print(f"{result['rounds']} round(s); mean [95% interval]")
+    for way, row in result["summary"].items():
+        print(f"{way:9} replica-steps lost {shown(row['replica_steps']):22} "
+              f"idle replica-seconds {shown(row['idle_replica_s'])}")
+    print("torchrun's final weights equal the imitated restart's:",
+          result["torchrun_equals_restart"])
+
+# %% [markdown]
 # ## What to take away
 #
 # - LocalSGD and DiLoCo cut the bytes by H exactly; at H = 1 they are DDP (for SGD), and the
