@@ -4,13 +4,15 @@
 processes. It promises:
 
 - a free port per call, never a fixed one, so parallel tests (``pytest -n 2``) do not collide;
+  when another process takes it before rank 0 listens, every rank starts again on a new one;
 - gloo on CPU, or NCCL with one GPU per rank when the machine has enough GPUs; with
   ``DPT_SHARE_GPU=1`` on a GPU machine, gloo with rank r on GPU ``r % device_count``, and
   the same (said in one line) when a GPU machine has fewer GPUs than ranks
   (:func:`placement`);
 - one intra-op thread per rank by default, so ranks do not fight over the cores;
 - when a rank raises or dies, the others are killed at once and :class:`RankFailure` carries
-  that rank's traceback and the tail of its output;
+  that rank's traceback and the tail of its output (for a crash below Python, a segfault, the
+  signal and the Python stack ``faulthandler`` wrote);
 - a hard timeout: a hung rank is killed, and its Python stack is in the error.
 
 ``fn`` must be importable (defined at module level in a file), because the ranks are fresh
