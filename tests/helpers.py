@@ -30,6 +30,18 @@ _STUB = re.compile(r"NotImplementedError: (Task \d\d\.\d+[a-z]?: .*)")
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 
 
+def ranks_or_fail(fn, world_size: int, **kwargs):
+    """``run_distributed(fn, world_size, echo=False, **kwargs)`` for a module fixture: a failed
+    rank fails every test that uses the fixture with that rank's error, not a fixture
+    traceback."""
+    from dpt.ranks import RankFailure, run_distributed
+
+    try:
+        return run_distributed(fn, world_size=world_size, **{"echo": False, **kwargs})
+    except RankFailure as exc:
+        pytest.fail(f"a rank of the {world_size}-rank run failed:\n{exc}", pytrace=False)
+
+
 def rank_part(fn, *args, **kwargs):
     """On a rank: ``fn(*args, **kwargs)``, or ``{"error": one line, "trace": its traceback}``
     when it raises, so that one part of a multi-check run fails its own test, not the whole

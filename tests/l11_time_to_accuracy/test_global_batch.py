@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l11_time_to_accuracy import rank_fns_global_batch as rf
 from tests.lessons import load
 from tests.references import put
@@ -29,11 +28,7 @@ ATOL = {"sgd": 1e-6, "adamw": 1e-5}  # float32 sums in another order, 5 steps
 
 @pytest.fixture(scope="module")
 def ddp_runs():
-    try:
-        return run_distributed(rf.accumulation_checks, world_size=rf.N, timeout=TIMEOUT,
-                               echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {rf.N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.accumulation_checks, rf.N, timeout=TIMEOUT)
 
 
 # --- the test's own references: the whole batch, and the usual mistakes -----------------------

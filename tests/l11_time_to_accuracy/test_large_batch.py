@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l11_time_to_accuracy import rank_fns_large_batch as rf
 from tests.lessons import load
 
@@ -258,11 +257,7 @@ TIMEOUT = 250
 
 
 def launch(world):
-    try:
-        return run_distributed(rf.sharded_checks, world_size=world, timeout=TIMEOUT,
-                               backend="gloo", echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {world}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.sharded_checks, world, timeout=TIMEOUT, backend="gloo")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["N2", "N3"])

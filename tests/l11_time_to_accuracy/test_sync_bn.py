@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l11_time_to_accuracy import rank_fns_sync_bn as rf
 from tests.lessons import load
 
@@ -29,10 +28,7 @@ CONV_TOL = 1e-8  # float64 ConvNet, 3 SGD steps
 
 @pytest.fixture(scope="module")
 def runs():
-    try:
-        return run_distributed(rf.sync_bn_checks, world_size=N, timeout=TIMEOUT, echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.sync_bn_checks, N, timeout=TIMEOUT)
 
 
 def close(a, b, tol=TOL) -> bool:

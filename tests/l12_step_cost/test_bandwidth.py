@@ -18,8 +18,7 @@ import statistics
 
 import pytest
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l12_step_cost import rank_fns_bandwidth as rf
 from tests.lessons import REPO, load, target
 
@@ -36,11 +35,7 @@ def bw():
 
 @pytest.fixture(scope="module")
 def runs():
-    try:
-        return run_distributed(rf.bandwidth_checks, world_size=rf.N, timeout=TIMEOUT,
-                               echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {rf.N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.bandwidth_checks, rf.N, timeout=TIMEOUT)
 
 
 # --- 12.5 the factors and the size ---------------------------------------------------------------

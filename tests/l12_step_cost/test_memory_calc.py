@@ -23,8 +23,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l12_step_cost import rank_fns_memory_calc as rf
 from tests.lessons import REPO, load
 
@@ -218,12 +217,8 @@ def runs():
     if missing:
         pytest.skip(f"the counted checks run lessons {', '.join(missing)}'s reference code from "
                     "solutions/, which this checkout lacks")
-    try:
-        # gloo and the CPU on any machine: the bytes counted do not depend on the device
-        return run_distributed(rf.counted_steps, world_size=rf.N, timeout=TIMEOUT,
-                               backend="gloo", echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {rf.N}-rank run failed:\n{exc}", pytrace=False)
+    # gloo and the CPU on any machine: the bytes counted do not depend on the device
+    return ranks_or_fail(rf.counted_steps, rf.N, timeout=TIMEOUT, backend="gloo")
 
 
 def ring_sent(kind: str, buffer_bytes: int, n: int) -> Fraction:

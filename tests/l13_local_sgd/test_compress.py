@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l13_local_sgd import rank_fns_compress as rf
 from tests.lessons import load
 
@@ -29,10 +28,7 @@ def cp():
 
 @pytest.fixture(scope="module")
 def runs():
-    try:
-        return run_distributed(rf.compress_checks, world_size=N, timeout=TIMEOUT, echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.compress_checks, N, timeout=TIMEOUT)
 
 
 def exact_mean(kind: str) -> torch.Tensor:

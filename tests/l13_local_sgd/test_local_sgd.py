@@ -20,8 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l13_local_sgd import rank_fns_local_sgd as rf
 
 N = rf.N
@@ -31,11 +30,7 @@ TOL = 1e-10
 
 @pytest.fixture(scope="module")
 def runs():
-    try:
-        return run_distributed(rf.local_sgd_checks, world_size=N, timeout=TIMEOUT,
-                               backend="gloo", echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.local_sgd_checks, N, timeout=TIMEOUT, backend="gloo")
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:

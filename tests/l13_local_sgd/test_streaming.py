@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpt.ranks import RankFailure, run_distributed
-from tests.helpers import checked_part
+from tests.helpers import checked_part, ranks_or_fail
 from tests.l13_local_sgd import rank_fns_streaming as rf
 from tests.lessons import load
 from tests.references import put
@@ -32,10 +31,7 @@ def st():
 
 @pytest.fixture(scope="module")
 def runs():
-    try:
-        return run_distributed(rf.streaming_checks, world_size=N, timeout=TIMEOUT, echo=False)
-    except RankFailure as exc:
-        pytest.fail(f"a rank of the {N}-rank run failed:\n{exc}", pytrace=False)
+    return ranks_or_fail(rf.streaming_checks, N, timeout=TIMEOUT)
 
 
 # --- 13.5 strided fragments ---------------------------------------------------------------------
