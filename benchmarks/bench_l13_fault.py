@@ -46,14 +46,7 @@ from dpt.lessons import load  # noqa: E402
 
 OUT = REPO / "benchmarks" / "runs" / "lessons"  # git-ignored; committed: reference/lessons
 JOB = {"replicas": 3, "steps": 40, "kill": (2, 15), "snapshot_every": 10, "step_s": 0.005}
-KILLED, STOPPED = 13, 3  # the exit codes supervisor.py uses
 WORKER_VAR = "DPT_L13_TORCHRUN_JOB"
-
-
-def _append(path: Path, **event) -> None:
-    event.setdefault("t", time.time())
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
 
 
 def worker(run: Path, steps: int, kill: tuple[int, int], snapshot_every: int,
@@ -63,13 +56,14 @@ def worker(run: Path, steps: int, kill: tuple[int, int], snapshot_every: int,
     import torch
     import torch.distributed as dist
 
+    sv = load("13_local_sgd", "supervisor", "solutions")  # its event log and exit codes
     ft = load("13_local_sgd", "fault_tolerance", "solutions")
     me, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     events = run / f"events{me}.{inc}.jsonl"
 
     def log(**event):
-        _append(events, replica=me, incarnation=inc, **event)
+        sv._append(events, replica=me, incarnation=inc, **event)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -86,13 +80,13 @@ def worker(run: Path, steps: int, kill: tuple[int, int], snapshot_every: int,
     for step in range(done + 1, steps + 1):
         if inc == 0 and [me, step] == list(kill):
             log(event="down")
-            os._exit(KILLED)
+            os._exit(sv.KILLED)
         t0 = time.time()
         ok = ft.ft_step(model, opt, ft.batch_for(me, step), group, n)
         log(event="step", step=step, committed=bool(ok), t0=t0)
         if not ok:  # a peer died: stop, as a torchrun worker does, and wait to be restarted
             log(event="down")
-            os._exit(STOPPED)
+            os._exit(sv.STOPPED)
         if me == 0 and step % snapshot_every == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                         "step": step}, run / "snapshot.tmp")
@@ -129,12 +123,10 @@ def run_torchrun(replicas: int = 3, steps: int = 40, kill: tuple[int, int] = (2,
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed (exit {proc.returncode}):\n"
                            + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
-    events = []
-    for path in sorted(run.glob("events*.jsonl")):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line]
+    sv = load("13_local_sgd", "supervisor", "solutions")
     final = {r: torch.load(run / f"final{r}.pt", weights_only=False) for r in range(replicas)}
     return {"policy": "torchrun", "replicas": replicas, "steps": steps, "kill": list(kill),
-            "events": sorted(events, key=lambda e: e["t"]), "final": final, "seconds": seconds}
+            "events": sv._events(run), "final": final, "seconds": seconds}
 
 
 def weights_equal(a: dict, b: dict) -> bool:
