@@ -30,7 +30,7 @@ def _amp_method(ctx: BenchContext, precision: str):
 
 
 @method("amp_bf16", "lesson 06's DDP Trainer with bf16 autocast for forward+loss, fp32 "
-        "weights, no scaler")
+        "weights, no scaler", requires=("bf16",))
 def amp_bf16(ctx: BenchContext):
     return _amp_method(ctx, "bf16")
 

@@ -109,7 +109,7 @@ def _hand_fsdp(ctx: BenchContext):
 
 @method("fsdp_by_hand_bf16", "lesson 09's FSDP by hand, bf16 compute and gathers (fp16 on a "
         "GPU of compute capability below 8, noted), fp32 master shards and gradient reduction",
-        **FLOPS)
+        requires=("bf16",), **FLOPS)
 def fsdp_by_hand_bf16(ctx: BenchContext):
     return _hand_fsdp(ctx)
 
@@ -143,7 +143,7 @@ def sixteen_bit_policy(dtype: torch.dtype):
 
 @method("fsdp2_bf16", "FSDP2 fully_shard per block, MixedPrecisionPolicy(bf16 params, fp32 "
         "reduce; fp16 params on a GPU of compute capability below 8, noted), explicit "
-        "prefetch, meta-device init", **FLOPS)
+        "prefetch, meta-device init", requires=("bf16",), **FLOPS)
 def fsdp2_bf16(ctx: BenchContext):
     build_sharded = load("09_fsdp", "fsdp2_practice", "solutions").build_sharded
 

@@ -29,7 +29,8 @@ still count one batch per rank per optimizer step, and ``compute_step`` is the s
 without its sync.
 
 A method must not fake work it does not do: ``requires`` says when it cannot run
-("cuda", "cuda>=2", "apex", "compiler"), and the harness records it as skipped with that reason.
+("cuda", "cuda>=2", "apex", "compiler"; "bf16": left out on a CPU without bf16 instructions
+unless ``--methods`` names it), and the harness records it as skipped with that reason.
 
 ``quick=False`` leaves a method out of ``--quick`` (``QUICK=1 make benchmark``) unless
 ``--methods`` names it: the quick run must fit 5 minutes on 8 GPUs, so lessons from 10 on

@@ -137,6 +137,8 @@ class Config:
     tta_margin: float = TTAConfig.margin  # the epochs check's allowance over N = 1
     tta_max_epochs: float = TTAConfig.max_epochs
     allreduce_sizes: list[int] = field(default_factory=lambda: [2**k for k in range(12, 25, 2)])
+    # The methods --methods named: these run even where bf16 is emulated (unmet_requirement)
+    named: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------ rank side
@@ -406,9 +408,19 @@ def default_nprocs(quick: bool = False) -> list[int]:
     return ns
 
 
-def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
+# How --list names a requirement, where its short name says too little
+REQUIREMENT_NAMES = {"bf16": "bf16 instructions on a CPU, unless named in --methods"}
+EMULATED_BF16 = ("bf16 is emulated on this CPU (no AVX512-BF16 or AMX instructions), so it "
+                 "would time the emulation, not the method")
+
+
+def unmet_requirement(req: tuple[str, ...], n: int, named: bool = False) -> str | None:
     """Why N ranks cannot run a method needing ``req`` here, or None. The GPU count limits N
-    only under NCCL (one rank per GPU); the ranks' device is :func:`rank_placement`'s."""
+    only under NCCL (one rank per GPU); the ranks' device is :func:`rank_placement`'s.
+
+    ``"bf16"``: a method computing in bf16 is left out on a CPU without bf16 instructions
+    (lesson 09's FSDP takes about 25 s a step there, most of a default run), unless the
+    command ``named`` it (``--methods``), which times the emulation on purpose."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend, device = rank_placement(n)
     on_cpu = ""
@@ -438,6 +450,11 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
             problem = compiler_problem(device)
             if problem:
                 return problem
+        if r == "bf16" and device == "cpu" and not named:
+            from dpt.precision import cpu_has_fast_bf16
+
+            if not cpu_has_fast_bf16():
+                return EMULATED_BF16 + "; --methods NAME times it anyway"
         if r == "data":
             from dpt.data import is_present
 
@@ -449,9 +466,10 @@ def unmet_requirement(req: tuple[str, ...], n: int) -> str | None:
     return None
 
 
-def skip_reason(m, n: int) -> str | None:
-    """Why a method cannot run at N here (a missing GPU, Apex, ...), or None."""
-    why = unmet_requirement(m.requires, n)
+def skip_reason(m, n: int, named: bool = False) -> str | None:
+    """Why a method cannot run at N here (a missing GPU, Apex, ...), or None. ``named``: the
+    command named the method (see :func:`unmet_requirement`)."""
+    why = unmet_requirement(m.requires, n, named)
     if why is None and n < m.min_procs:
         why = f"needs at least {m.min_procs} ranks"
     if why is None and m.max_procs is not None and n > m.max_procs:
@@ -573,9 +591,13 @@ def new_record(name: str, n: int, cfg: Config, methods, sweep: int | None = None
            "scaling": "strong" if cfg.strong else "weak", "status": "ok", "rounds": []}
     if sweep is not None:
         rec["sweep"] = sweep
-    why = skip_reason(m, n)
+    named = name in cfg.named
+    why = skip_reason(m, n, named)
     if why:
         rec.update(status="skipped", error=why)
+    elif (named and "bf16" in m.requires and rank_placement(n)[1] == "cpu"
+          and unmet_requirement(m.requires, n) is not None):
+        rec["notes"] = [EMULATED_BF16 + ": timed because --methods named it"]
     return rec
 
 
@@ -1024,8 +1046,13 @@ def method_styles(names: list[str]) -> dict[str, tuple]:
     return {name: (colours[i % 20], _MARKERS[i % len(_MARKERS)]) for i, name in enumerate(order)}
 
 
-def _busy_note(fig, result: dict, marked: str) -> None:
-    if (result.get("verdict") or {}).get("busy"):
+def _busy_note(fig, result: dict, marked: str, shown: list[dict] | None = None) -> None:
+    """The figure's footnote when the run had busy results; with ``shown`` (the records the
+    figure draws), only when one of them was busy."""
+    busy = (result.get("verdict") or {}).get("busy")
+    if shown is not None:
+        busy = any(r.get("reliability") == BUSY for r in shown)
+    if busy:
         fig.text(0.01, 0.005, f"{marked}: {BUSY} (the reasons are in summary.md)",
                  color="firebrick", fontsize=8, ha="left", va="bottom")
 
@@ -1123,8 +1150,8 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
                else "one run, no intervals")
     cm = result.get("cost_model")
 
-    def save(fig, name, marked="hatched bars"):
-        _busy_note(fig, result, marked)
+    def save(fig, name, marked="hatched bars", shown=None):
+        _busy_note(fig, result, marked, shown)
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         paths.append(out / name)
         fig.savefig(paths[-1], dpi=110)
@@ -1211,7 +1238,8 @@ def make_plots(result: dict, out: Path, project_ns=(1, 2, 4, 8, 16, 64)) -> list
 
     if cm:
         save(cost_model_figure(result, cm, recs, styles, project_ns), "costmodel.png",
-             marked="measured points")
+             marked="measured points",
+             shown=[r for r in recs if r["method"] in ("ddp_spawn", CONTROL)])
 
     sweep = _ok(result, sweep=True)
     if sweep:
@@ -1419,7 +1447,7 @@ def plan_run(args: argparse.Namespace, methods) -> Plan:
     and as many rounds (at most 3, at least 1) as fit in ``QUICK_GPU_BUDGET_S``. Raises
     :class:`UsageError` on bad input."""
     cfg = Config(threads_per_rank=args.threads_per_rank, strong=args.strong, model=args.model,
-                 pin=not args.no_pin)
+                 pin=not args.no_pin, named=parse_list(args.methods) or [])
     names = parse_list(args.methods) or [n for n, m in methods.items()
                                          if m.quick or not args.quick]
     unknown = [n for n in names if n not in methods]
@@ -1573,7 +1601,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = load_all()
     if args.list:
         for m in methods.values():
-            req = f" (requires {', '.join(m.requires)})" if m.requires else ""
+            needs = [REQUIREMENT_NAMES.get(r, r) for r in m.requires]
+            req = f" (requires {', '.join(needs)})" if needs else ""
             full = "" if m.quick else " [full run only: not in --quick]"
             print(f"{m.name:<26}{m.description}{req}{full}")
         return 0

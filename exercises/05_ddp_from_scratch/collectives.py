@@ -10,8 +10,10 @@ Every rank calls the same collective with its own tensor; what comes back is fix
 - ``all_gather(out_list, t)``: every rank ends with the list of all ranks' tensors;
 - ``reduce_scatter(out, in_list)``: rank r ends with the sum over ranks of ``in_list[r]``.
 
-Gloo (the CPU backend) has no ``reduce_scatter``; :func:`reduce_scatter` below builds it from
-``all_reduce`` there, so the check runs everywhere.
+Gloo (the CPU backend) has no reduce-scatter algorithm: older torch releases refuse
+``reduce_scatter`` there, and recent ones run it as a copy and an all-reduce inside
+``ProcessGroupGloo``. :func:`reduce_scatter` below builds it from ``all_reduce`` under gloo, the
+same work on every torch the course supports.
 
 :func:`ring_all_reduce` (task 05.1) is the algorithm NCCL and gloo use for large messages,
 written with point-to-point sends and receives: N-1 steps of reduce-scatter around the ring,

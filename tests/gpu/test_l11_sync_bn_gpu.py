@@ -2,15 +2,16 @@
 
 torch's SyncBatchNorm runs only on GPUs, so the CPU suite compares the hand layer with one
 process on the whole batch (``tests/l11_time_to_accuracy/test_sync_bn.py``); here it meets
-torch's own, under NCCL, on the same uneven shares (2, 3 and 5 rows) and the same inputs:
-outputs of 3 training forwards, input, weight and bias gradients, running statistics, and the
-eval output, to float32 precision.
+torch's own (under NCCL, and under gloo with ranks sharing the GPUs) on the same uneven shares
+(2, 3 and 5 rows) and the same inputs: outputs of 3 training forwards, input, weight and bias
+gradients, running statistics, and the eval output, to float32 precision.
 
-Ranks: one per GPU, NCCL, up to 3. On a machine with ONE GPU the run is NCCL with a world of
-one rank: NCCL cannot put two ranks on one device, and gloo, which can, has no all-gather of
-CUDA tensors, which torch's SyncBatchNorm needs. At a world of one torch's layer falls back to
-plain batch norm, so that run checks the hand layer's CUDA path (its all-reduce through NCCL
-included) against torch's kernels, not the synchronisation; 2 GPUs and more check that too.
+Ranks: one per GPU, NCCL, up to 3. NCCL cannot put two ranks on one device, so on a machine
+with ONE GPU that run is a world of one rank, where torch's layer falls back to plain batch
+norm: it checks the hand layer's CUDA path against torch's kernels, not the synchronisation.
+The second test checks the synchronisation on any GPU count: 3 ranks share the GPUs
+(``DPT_SHARE_GPU=1``) and talk through gloo, whose all-gather and all-reduce take CUDA tensors
+(through pinned host copies); torch's SyncBatchNorm uses the list ``all_gather`` under gloo.
 """
 
 from __future__ import annotations
@@ -68,12 +69,24 @@ def test_hand_sync_bn_matches_torchs_sync_batch_norm(monkeypatch):
     monkeypatch.delenv("DPT_SHARE_GPU", raising=False)
     results = run_distributed(hand_and_torch, world_size=WORLD, backend="nccl", timeout=250,
                               echo=False)
+    _compare(results, "NCCL")
+
+
+def test_hand_sync_bn_matches_torchs_with_three_ranks_sharing_the_gpus(monkeypatch):
+    monkeypatch.setenv("DPT_TEST_BACKEND", "gloo")
+    monkeypatch.setenv("DPT_SHARE_GPU", "1")
+    results = run_distributed(hand_and_torch, world_size=rf.N, backend="gloo", timeout=250,
+                              echo=False)
+    _compare(results, f"gloo, {rf.N} ranks on {N_GPUS} GPU(s)")
+
+
+def _compare(results: list[dict], how: str) -> None:
     for r, res in enumerate(results):
         for kind, both in res.items():
             assert both["type"] == "SyncBatchNormByHand", (
                 f"convert_sync_by_hand gave a {both['type']}")
             hand, theirs = both["hand"], both["torch"]
-            who = f"rank {r} of {WORLD} ({rf.ROWS[r]} rows, input {kind}, NCCL)"
+            who = f"rank {r} of {len(results)} ({rf.ROWS[r]} rows, input {kind}, {how})"
             pairs = [(f"training output {i}", a, b)
                      for i, (a, b) in enumerate(zip(hand["outputs"], theirs["outputs"]))]
             pairs += [(k, hand[k], theirs[k]) for k in ("grad", "weight_grad", "bias_grad",

@@ -470,6 +470,28 @@ def test_the_reference_results_carry_intervals_a_verdict_and_ddp_against_the_con
     assert row.count("[") >= 2, row  # throughput and speedup, each with its interval
     assert "| ddp_spawn over independent | 2 |" in text
     assert "Can these numbers be trusted?" in text
+    # Time to accuracy (lesson 11): the largest N against N = 1, with its interval, beside the
+    # same runs' throughput speedup, and the epochs check's verdict.
+    tta = result["time_to_accuracy"]
+    nmax = max(result["config"]["nprocs"])
+    speed = next(s for s in tta["speedup"] if s["nprocs"] == nmax)
+    assert speed["lo"] is not None and speed["lo"] <= speed["value"] <= speed["hi"], speed
+    assert speed["throughput"]["lo"] is not None, speed
+    assert tta["epochs_check"], "no epochs check in the reference's time to accuracy"
+    assert "Time to accuracy (" in text and "time-to-target speedup" in text
+    # MFU (lesson 12): every timed row has achieved FLOP/s and MFU against a named peak.
+    timed = [r for r in result["records"] if r["status"] == "ok" and "sweep" not in r]
+    assert timed and all(r.get("mfu") for r in timed), [
+        r["method"] for r in timed if not r.get("mfu")]
+    assert result["mfu"].get("peaks"), result["mfu"]
+    assert "MFU = achieved FLOP/s" in text
+    # Every method registered then is in it: run or skipped, each with its reason.
+    from benchmarks.registry import load_all
+
+    lessons = {n for n, m in load_all().items() if m.factory.__module__.startswith("benchmarks.")}
+    missing = lessons - {r["method"] for r in result["records"]}
+    assert not missing, f"the reference predates these methods: {sorted(missing)}"
+    assert all(r.get("error") for r in result["records"] if r["status"] == "skipped")
 
 
 # ------------------------------------------------------- a run leaves tracked files alone
@@ -949,6 +971,64 @@ def test_quick_leaves_out_full_run_methods_unless_named():
     assert plan("--quick").names == ["fast"]
     assert plan().names == ["fast", "slow"]
     assert plan("--quick", "--methods", "slow").names == ["slow"]
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_bf16_methods_are_left_out_where_a_cpu_emulates_bf16_unless_named(monkeypatch,
+                                                                          fast_bf16):
+    """On a CPU without bf16 instructions a bf16 method times the emulation (lesson 09's FSDP
+    took 25 s a step on an AVX2 host): the default run skips it with that reason; --methods
+    runs it and says so in its record. A CPU with AVX512-BF16 or AMX runs it by default."""
+    import dpt.precision
+    from benchmarks.registry import load_all
+    from benchmarks.run import build_parser, plan_run, skip_reason
+
+    methods = load_all()
+    _fake_gpus(monkeypatch, 0)
+    monkeypatch.setattr(dpt.precision, "cpu_has_fast_bf16", lambda: fast_bf16)
+    bf16 = ["amp_bf16", "fsdp_by_hand_bf16", "fsdp2_bf16"]
+    for name in bf16:
+        why = skip_reason(methods[name], 2)
+        assert (why is None) == fast_bf16, (name, why)
+        if not fast_bf16:
+            assert "emulated" in why and "--methods" in why
+        assert skip_reason(methods[name], 2, named=True) is None
+    # fp32 methods and the bf16 *compression* hook (a cast, no bf16 arithmetic) are unaffected
+    for name in ("ddp_spawn", "ddp_bf16_hook", "fsdp2"):
+        assert skip_reason(methods[name], 2) is None, name
+
+    def records(*argv):
+        plan = plan_run(build_parser().parse_args([*argv, "--nprocs", "1,2", "--no-tta"]),
+                        methods)
+        return {(r["method"], r["nprocs"]): r for r in plan.records}
+
+    default = records()
+    named = records("--methods", "amp_bf16,ddp_spawn")
+    for n in (1, 2):
+        assert (default["amp_bf16", n]["status"] == "skipped") != fast_bf16
+        assert named["amp_bf16", n]["status"] == "ok"
+        assert any("emulated" in x for x in named["amp_bf16", n].get("notes", [])) != fast_bf16
+        assert "notes" not in named["ddp_spawn", n]
+
+
+def test_a_figure_flags_busy_results_only_when_it_draws_one():
+    """costmodel.png draws ddp_spawn and the control only: a busy result elsewhere in the run
+    must not mark its measured points unreliable (the other figures hatch their busy bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.analysis import BUSY
+    from benchmarks.run import _busy_note
+
+    result = {"verdict": {"busy": ["ddp_adam N=2"]}}
+    ok, busy = {"method": "ddp_spawn"}, {"method": "ddp_spawn", "reliability": BUSY}
+    for shown, flagged in ((None, True), ([ok], False), ([ok, busy], True)):
+        fig = plt.figure()
+        _busy_note(fig, result, "measured points", shown)
+        assert any(BUSY in t.get_text() for t in fig.texts) == flagged, shown
+        plt.close(fig)
 
 
 def test_list_marks_full_run_methods(capsys):

@@ -734,6 +734,35 @@ def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
     assert seen and off == ["meta"], f"tensors off rank_device(): {off}"
 
 
+def test_the_ring_posts_host_memory_when_ranks_share_a_gpu_through_gloo(monkeypatch):
+    """gloo's send and receive read host memory only: ranks sharing one GPU (DPT_SHARE_GPU=1,
+    gloo) that post a CUDA tensor fail with "writev: Bad address" (seen on an H200). There the
+    ring must post only CPU tensors and leave the sum in the caller's CUDA tensor. A CUDA
+    tensor is faked (FakeTensorMode), so this runs on any CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    posted = []
+
+    def batch_isend_irecv(ops):
+        posted.extend(op.tensor.device.type for op in ops)
+        return [_FakeWork() for _ in ops]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
+                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        grads = torch.ones(10, device="cuda")
+        out = load(LESSON, "collectives").ring_all_reduce(grads)
+    assert posted, "the ring posted no send or receive"
+    assert set(posted) == {"cpu"}, (
+        f"the ring posted tensors on {sorted(set(posted))}: under gloo, a CUDA tensor goes "
+        "through a host copy (gloo's sends read host memory only)")
+    assert out is grads and out.device.type == "cuda", "the sum belongs in the caller's tensor"
+
+
 # --------------------------------------------------------------------------- what the notebook draws
 
 def test_the_timeline_records_one_step_of_each_wrapper():
