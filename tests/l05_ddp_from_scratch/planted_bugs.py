@@ -229,6 +229,12 @@ BUGS = [
         expect=r"or a tied one twice\?",
         why="parameters collected module by module: a tied weight is listed, and reduced, twice"),
     # --- 05.1: reduce-scatter, then all-gather, chunk by chunk around the ring
+    Bug("05.0-ring-posts-cuda-to-gloo", L05C, where="ring_all_reduce",
+        find='    if tensor.is_cuda and dist.get_backend() == "gloo":',
+        replace='    if tensor.is_cuda and dist.get_backend() == "gloo" and False:',
+        tests=(T05 + "test_the_ring_posts_host_memory_when_ranks_share_a_gpu_through_gloo",),
+        expect=r"through a host copy",
+        why="ranks sharing a GPU post CUDA tensors to gloo's sends, which read host memory only"),
     Bug("05.1-all-gather-adds", L05C, where="05.1",
         find="        chunks[recv_idx].copy_(exchange(send_idx, recv_idx))",
         replace="        chunks[recv_idx].add_(exchange(send_idx, recv_idx))",
