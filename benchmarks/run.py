@@ -414,6 +414,14 @@ EMULATED_BF16 = ("bf16 is emulated on this CPU (no AVX512-BF16 or AMX instructio
                  "would time the emulation, not the method")
 
 
+def emulates_bf16(device_type: str) -> bool:
+    """Whether ranks on ``device_type`` compute bf16 without bf16 instructions (a CPU lacking
+    AVX512-BF16 and AMX; lesson 06's rule, :func:`dpt.precision.cpu_has_fast_bf16`)."""
+    from dpt.precision import cpu_has_fast_bf16
+
+    return device_type == "cpu" and not cpu_has_fast_bf16()
+
+
 def unmet_requirement(req: tuple[str, ...], n: int, named: bool = False) -> str | None:
     """Why N ranks cannot run a method needing ``req`` here, or None. The GPU count limits N
     only under NCCL (one rank per GPU); the ranks' device is :func:`rank_placement`'s.
@@ -450,11 +458,8 @@ def unmet_requirement(req: tuple[str, ...], n: int, named: bool = False) -> str 
             problem = compiler_problem(device)
             if problem:
                 return problem
-        if r == "bf16" and device == "cpu" and not named:
-            from dpt.precision import cpu_has_fast_bf16
-
-            if not cpu_has_fast_bf16():
-                return EMULATED_BF16 + "; --methods NAME times it anyway"
+        if r == "bf16" and not named and emulates_bf16(device):
+            return EMULATED_BF16 + "; --methods NAME times it anyway"
         if r == "data":
             from dpt.data import is_present
 
@@ -595,8 +600,7 @@ def new_record(name: str, n: int, cfg: Config, methods, sweep: int | None = None
     why = skip_reason(m, n, named)
     if why:
         rec.update(status="skipped", error=why)
-    elif (named and "bf16" in m.requires and rank_placement(n)[1] == "cpu"
-          and unmet_requirement(m.requires, n) is not None):
+    elif named and "bf16" in m.requires and emulates_bf16(rank_placement(n)[1]):
         rec["notes"] = [EMULATED_BF16 + ": timed because --methods named it"]
     return rec
 

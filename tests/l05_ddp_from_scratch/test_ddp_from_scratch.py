@@ -684,6 +684,20 @@ class _FakeWork:
         return True
 
 
+def _fake_ring_peers(monkeypatch, record) -> None:
+    """Rank 0 of WORLD, its point-to-point ops done at once: ``record`` gets the tensors each
+    ``batch_isend_irecv`` posts."""
+    def batch_isend_irecv(ops):
+        record([op.tensor for op in ops])
+        return [_FakeWork() for _ in ops]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
+                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
+
+
 @pytest.mark.parametrize("variant,kw", [("naive", {}), ("overlap", {}),
                                         ("bucketed", {"bucket_cap_mb": PARTIAL_MB}),
                                         ("bucketed", {"bucket_cap_mb": PARTIAL_MB, "as_view": True})])
@@ -707,17 +721,9 @@ def test_everything_a_rank_makes_is_on_rank_device(monkeypatch, variant, kw):
         record([t])
         return _FakeWork() if async_op else None
 
-    def batch_isend_irecv(ops):
-        record([op.tensor for op in ops])
-        return [_FakeWork() for _ in ops]
-
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    _fake_ring_peers(monkeypatch, record)
     monkeypatch.setattr(dist, "broadcast", lambda t, src=0, group=None, async_op=False: record([t]))
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
-                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
 
     module = rf.build("toy", seed=1)
     model = rf.wrap(variant, module, kw.get("bucket_cap_mb", 25.0), kw.get("as_view", False))
@@ -742,17 +748,8 @@ def test_the_ring_posts_host_memory_when_ranks_share_a_gpu_through_gloo(monkeypa
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     posted = []
-
-    def batch_isend_irecv(ops):
-        posted.extend(op.tensor.device.type for op in ops)
-        return [_FakeWork() for _ in ops]
-
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: WORLD)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    _fake_ring_peers(monkeypatch, lambda tensors: posted.extend(t.device.type for t in tensors))
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
-    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer=None, group=None, tag=0,
-                        group_peer=None: SimpleNamespace(op=op, tensor=tensor, peer=peer))
     with FakeTensorMode(allow_non_fake_inputs=True):
         grads = torch.ones(10, device="cuda")
         out = load(LESSON, "collectives").ring_all_reduce(grads)
